@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The test command (README): run the suite against real vLLM, once per supported version.
+#
+#   ci/test.sh                      # vLLM 0.20.2, 0.25.1 and 0.32.0 (CPU builds), then the source-level check
+#   ci/test.sh 0.32.0               # one version
+#   ci/test.sh 0.25.1 -- -k engine  # extra pytest arguments after --
+#
+# Each version's environment is built once and cached outside the repo (ci/envs/build_env.sh). Prints the
+# environment-build and test time per version; exits non-zero if any version fails.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+versions=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --) shift; break ;;
+    *) versions+=("$1"); shift ;;
+  esac
+done
+[ ${#versions[@]} -gt 0 ] || versions=(0.20.2 0.25.1 0.32.0)
+extra=("$@")
+declare -a summary
+status=0
+last_py=""
+for v in "${versions[@]}"; do
+  echo "=== vLLM $v: environment"
+  t0=$(date +%s)
+  if ! py=$(bash ci/envs/build_env.sh "$v" | tail -n 1) || [ ! -x "$py" ]; then
+    echo "!!! vLLM $v: environment build failed"; summary+=("$v: ENV BUILD FAILED"); status=1; continue
+  fi
+  t1=$(date +%s)
+  echo "=== vLLM $v: tests ($py)"
+  "$py" -m pytest tests -p no:cacheprovider -q -rs --timeout=1200 --ignore=tests/source_level "${extra[@]}"
+  rc=$?
+  t2=$(date +%s)
+  [ $rc -eq 0 ] || status=1
+  summary+=("$v: env $((t1 - t0))s, tests $((t2 - t1))s, pytest exit $rc")
+  last_py="$py"
+done
+if [ ${#extra[@]} -eq 0 ] && [ -n "$last_py" ]; then
+  echo "=== newest vLLM release: source-level target check"
+  t0=$(date +%s)
+  "$last_py" -m pytest tests/source_level -p no:cacheprovider -q -rs --timeout=1200
+  rc=$?
+  [ $rc -eq 0 ] || status=1
+  summary+=("source-level: $(( $(date +%s) - t0 ))s, pytest exit $rc")
+fi
+echo "=== summary"
+printf '  %s\n' "${summary[@]}"
+exit $status

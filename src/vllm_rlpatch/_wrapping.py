@@ -1,0 +1,112 @@
+"""wrapt-based wrapping that can be undone exactly.
+
+Every patch wraps through :class:`Wrapper`. It remembers what it replaced and restores an attribute only
+if the attribute still is *our* wrapt proxy (so reverting after someone else re-wrapped does not clobber
+their wrapper; we log instead). Wrapping the same target twice from one owner is a no-op, which makes
+apply idempotent; two *different* owners wrapping one target is refused, so no two patches wrap the same
+function (shared hooks live in :mod:`vllm_rlpatch.hooks`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import wrapt
+
+logger = logging.getLogger("vllm.rlpatch")
+
+_MARK = "_self_rlpatch_owner"  # `_self_` attributes live on the wrapt proxy, not the wrapped function
+
+
+class WrapCollision(RuntimeError):
+    pass
+
+
+@dataclass
+class _Record:
+    parent: Any
+    attr: str
+    original: Any  # the raw attribute from parent.__dict__ (keeps staticmethod/classmethod descriptors)
+    proxy: Any
+
+
+_ACTIVE: dict[tuple[int, str], _Record] = {}
+
+
+def resolve(path: str) -> tuple[Any, str, Any]:
+    """``"pkg.mod:Cls.attr"`` -> (parent object, attribute name, current value). Imports the module."""
+    module_name, _, qual = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    parts = qual.split(".")
+    for p in parts[:-1]:
+        obj = getattr(obj, p)
+    return obj, parts[-1], getattr(obj, parts[-1])
+
+
+def target_exists(path: str) -> bool:
+    try:
+        resolve(path)
+        return True
+    except (ImportError, AttributeError):
+        return False
+
+
+# wrapt 2's FunctionWrapper derives from its C ObjectProxy, which `wrapt.ObjectProxy` no longer is.
+_PROXY_TYPES = tuple({wrapt.FunctionWrapper, wrapt.ObjectProxy, getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)})
+
+
+def is_proxy(value: Any) -> bool:
+    return isinstance(value, _PROXY_TYPES)
+
+
+def owner_of(value: Any) -> str | None:
+    return getattr(value, _MARK, None) if is_proxy(value) else None
+
+
+def wrap(path: str, wrapper: Callable[..., Any], owner: str) -> bool:
+    """Wrap ``path`` with ``wrapper(wrapped, instance, args, kwargs)``. Returns False if already ours."""
+    parent, attr, _ = resolve(path)
+    raw = parent.__dict__[attr] if isinstance(parent, type) and attr in parent.__dict__ else getattr(parent, attr)
+    existing = owner_of(raw)
+    if existing == owner:
+        return False
+    if existing is not None:
+        raise WrapCollision(f"{path} is already wrapped by {existing!r}; {owner!r} must use the shared hook")
+    wrapt.wrap_function_wrapper(parent, attr, wrapper)
+    proxy = parent.__dict__[attr] if isinstance(parent, type) else getattr(parent, attr)
+    setattr(proxy, _MARK, owner)
+    _ACTIVE[(id(parent), attr)] = _Record(parent, attr, raw, proxy)
+    logger.debug("vllm-rlpatch: wrapped %s (owner %s)", path, owner)
+    return True
+
+
+def unwrap(path: str, owner: str) -> bool:
+    """Restore ``path`` if it is our proxy. Returns False if there was nothing of ours to undo."""
+    try:
+        parent, attr, _ = resolve(path)
+    except (ImportError, AttributeError):
+        return False
+    rec = _ACTIVE.get((id(parent), attr))
+    raw = parent.__dict__.get(attr) if isinstance(parent, type) else getattr(parent, attr, None)
+    if rec is None or owner_of(raw) != owner:
+        return False
+    if raw is not rec.proxy:
+        logger.warning("vllm-rlpatch: %s was re-wrapped by someone else; leaving it in place", path)
+        return False
+    setattr(parent, attr, rec.original)
+    del _ACTIVE[(id(parent), attr)]
+    logger.debug("vllm-rlpatch: unwrapped %s (owner %s)", path, owner)
+    return True
+
+
+def is_wrapped(path: str, owner: str | None = None) -> bool:
+    try:
+        parent, attr, _ = resolve(path)
+    except (ImportError, AttributeError):
+        return False
+    raw = parent.__dict__.get(attr) if isinstance(parent, type) else getattr(parent, attr, None)
+    o = owner_of(raw)
+    return o is not None and (owner is None or o == owner)

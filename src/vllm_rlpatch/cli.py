@@ -1,0 +1,74 @@
+"""``vllm-rlpatch`` command line.
+
+    vllm-rlpatch doctor [--json] [--model PATH] [engine args...]
+    vllm-rlpatch demo   [--model NAME|PATH] [--temperature T] [--top-p P] [--max-tokens N]
+    vllm-rlpatch patches [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _patches(argv: list[str]) -> int:
+    from vllm_rlpatch import table
+
+    ap = argparse.ArgumentParser(prog="vllm-rlpatch patches", description="List the patch specs.")
+    ap.add_argument("--markdown", action="store_true", help="the README table")
+    args = ap.parse_args(argv)
+    print(table.markdown() if args.markdown else table.plain())
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
+    from vllm_rlpatch import demo
+
+    return demo.main(argv)
+
+
+def _doctor(argv: list[str]) -> int:
+    from vllm_rlpatch import doctor
+
+    return doctor.main(argv)
+
+
+COMMANDS = {
+    "doctor": (_doctor, "versions, each patch's state and reason, an engine's RL settings and their provenance"),
+    "demo": (_demo, "doctor + a short generate on the embedded model, showing what the plugin changed"),
+    "patches": (_patches, "list the patch specs (name, vLLM range, fixed_in, toggle, upstream)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print()
+        for name, (_, doc) in COMMANDS.items():
+            print(f"  {name:<8} {doc}")
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from vllm_rlpatch import __version__
+
+        print(__version__)
+        return 0
+    cmd = COMMANDS.get(argv[0])
+    if cmd is None:
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"vllm-rlpatch: unknown command {argv[0]!r}{hint}; try --help", file=sys.stderr)
+        return 2
+    from vllm_rlpatch.envs import EnvError
+
+    try:
+        return cmd[0](argv[1:])
+    except EnvError as e:
+        print(f"vllm-rlpatch: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""``vllm-rlpatch doctor``: what is installed, what the plugin did, and what an engine would get.
+
+Without ``--model`` it reports versions, the entry point, the start-up hook, the environment variables
+and every patch's state and reason (after applying them in this process exactly as vLLM would). With
+``--model PATH [engine args...]`` it also builds that engine's ``VllmConfig`` through vLLM's own CLI
+parser and ``create_engine_config`` (no engine is started, no weights are loaded) and lists the
+RL-relevant settings with their provenance: ``user``, ``plugin`` or ``stock``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "rlpatch"
+
+# (label, path in VllmConfig, EngineArgs field)
+RL_SETTINGS = (
+    ("logprobs_mode", "model_config.logprobs_mode", "logprobs_mode"),
+    ("generation_config", "model_config.generation_config", "generation_config"),
+    ("enable_prefix_caching", "cache_config.enable_prefix_caching", "enable_prefix_caching"),
+    ("async_scheduling", "scheduler_config.async_scheduling", "async_scheduling"),
+    ("kv_cache_memory_bytes", "cache_config.kv_cache_memory_bytes", "kv_cache_memory_bytes"),
+    ("worker_extension_cls", "parallel_config.worker_extension_cls", "worker_extension_cls"),
+    ("dtype", "model_config.dtype", "dtype"),
+)
+
+
+def _entry_point() -> dict[str, Any]:
+    eps = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME]
+    filt = os.environ.get("VLLM_PLUGINS")
+    names = None if filt is None else filt.split(",")
+    loads = bool(eps) and (names is None or ENTRY_POINT_NAME in names)
+    why = ("registered" if eps else "NOT registered (is vllm-rlpatch installed in this environment?)")
+    if eps and not loads:
+        why = f"registered but filtered out by VLLM_PLUGINS={filt!r} (add {ENTRY_POINT_NAME!r})"
+    return {"registered": bool(eps), "value": eps[0].value if eps else None, "vllm_loads_it": loads,
+            "detail": why}
+
+
+def _torch() -> str | None:
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _vllm_platform() -> str | None:
+    try:
+        from vllm.platforms import current_platform
+
+        return f"{type(current_platform).__name__} ({getattr(current_platform, 'device_name', '?')})"
+    except Exception as e:
+        return f"unavailable: {type(e).__name__}: {e}"
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (str, int, float, bool, type(None))):
+        return v
+    return str(v)
+
+
+def _parser():
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # vLLM 0.20
+        from vllm.utils import FlexibleArgumentParser  # type: ignore[no-redef]
+    return FlexibleArgumentParser(prog="vllm-rlpatch doctor --model PATH")
+
+
+def engine_settings(model: str, engine_argv: list[str]) -> dict[str, Any]:
+    """Build the engine config for ``model`` + CLI-style engine args; return settings with provenance."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_rlpatch.hooks import config as config_hook
+
+    parser = EngineArgs.add_cli_args(_parser())
+    ns = parser.parse_args(["--model", model, *engine_argv])
+    engine_args = EngineArgs.from_cli_args(ns)
+    vllm_config = engine_args.create_engine_config()
+    decided = config_hook.settings_for(engine_args)
+    rows = []
+    for label, path, field in RL_SETTINGS:
+        eff = _get_path(vllm_config, path)
+        s = decided.get(field)
+        if s is not None:
+            row = {"setting": label, "value": _jsonable(eff), "source": s.source, "by": s.owner,
+                   "stock": _jsonable(s.stock), "reason": s.reason, "detection": s.detection}
+        else:
+            from vllm_rlpatch.hooks import explicit
+
+            is_user, how = explicit.is_explicit(engine_args, field) if hasattr(engine_args, field) else (False, "")
+            row = {"setting": label, "value": _jsonable(eff), "source": "user" if is_user else "stock",
+                   "by": None, "stock": None, "reason": "not touched by the plugin", "detection": how}
+        rows.append(row)
+    return {"model": model, "engine_args": engine_argv, "settings": rows}
+
+
+def collect(model: str | None = None, engine_argv: list[str] | None = None) -> dict[str, Any]:
+    from vllm_rlpatch import __version__, envs, plugin, registry
+    from vllm_rlpatch.hooks import explicit
+    from vllm_rlpatch.versions import NEWEST_TESTED, TESTED_VERSIONS, vllm_info
+
+    env_warnings = envs.validate_environment()
+    info = vllm_info()
+    if info.installed:
+        plugin.register_as("doctor")  # apply exactly as vLLM would in its processes
+    report: dict[str, Any] = {
+        "vllm_rlpatch": __version__,
+        "vllm": {"version": info.raw_version, "distribution": info.distribution, "installed": info.installed,
+                 "newest_tested": str(NEWEST_TESTED), "tested": list(TESTED_VERSIONS),
+                 "untested": info.untested if info.installed else None},
+        "torch": _torch(),
+        "python": sys.version.split()[0],
+        "platform": {"os": platform.platform(), "machine": platform.machine(),
+                     "vllm_platform": _vllm_platform() if info.installed else None},
+        "entry_point": _entry_point(),
+        "startup_hook": {"explicit_args_capture": explicit.active() if info.installed else None,
+                         "detail": ("active: user-passed engine arguments are told apart from defaults"
+                                    if info.installed and explicit.active() else
+                                    "inactive: vllm_rlpatch_startup.pth not processed; explicitness is inferred "
+                                    "by comparing with stock defaults")},
+        "process": {"pid": os.getpid(), "role": plugin.process_role(),
+                    "register_seconds": plugin.register_seconds()},
+        "env": {"warnings": env_warnings,
+                "set": {k: v for k, v in os.environ.items() if k.startswith(envs.PREFIX)}},
+        "patches": [s.as_dict() for s in registry.status()],
+    }
+    if model is not None:
+        report["engine"] = engine_settings(model, engine_argv or [])
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    v = report["vllm"]
+    lines = [
+        f"vllm-rlpatch {report['vllm_rlpatch']}",
+        f"  vLLM      {v['version']} (distribution {v['distribution']}; newest tested {v['newest_tested']}"
+        + ("; UNTESTED" if v.get("untested") else "") + ")",
+        f"  torch     {report['torch']}   python {report['python']}",
+        f"  platform  {report['platform']['os']}; vLLM platform {report['platform']['vllm_platform']}",
+        f"  entry point  {report['entry_point']['detail']}",
+        f"  start-up hook  {report['startup_hook']['detail']}",
+    ]
+    for w in report["env"]["warnings"]:
+        lines.append(f"  WARNING  {w}")
+    lines.append("")
+    lines.append(f"  {'patch':<18} {'state':<12} reason")
+    for p in report["patches"]:
+        lines.append(f"  {p['name']:<18} {p['state']:<12} {p['reason']}")
+    eng = report.get("engine")
+    if eng:
+        lines.append("")
+        lines.append(f"  engine settings for {eng['model']} {' '.join(eng['engine_args'])}".rstrip())
+        lines.append(f"  {'setting':<22} {'value':<48} {'source':<7} reason")
+        for r in eng["settings"]:
+            val = str(r["value"])
+            val = val if len(val) <= 48 else val[:45] + "..."
+            lines.append(f"  {r['setting']:<22} {val:<48} {r['source']:<7} {r['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="vllm-rlpatch doctor", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--model", help="also show the RL-relevant settings an engine for this model would get; "
+                                    "further arguments are vLLM engine arguments (e.g. --logprobs-mode raw_logprobs)")
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.model is None:
+        ap.error(f"unrecognized arguments: {' '.join(rest)} (engine arguments need --model)")
+    if args.model is not None and not os.path.exists(args.model):
+        from vllm_rlpatch import models
+
+        if args.model in models.NAMES:
+            args.model = models.path(args.model)
+    if args.json:
+        # vLLM logs to stdout; keep stdout for the JSON document alone.
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        try:
+            report = collect(args.model, rest)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(collect(args.model, rest)))
+    return 0

@@ -1,0 +1,146 @@
+"""Every ``VLLM_RLPATCH_*`` environment variable, in one place.
+
+Each variable has a parser that validates its value; an invalid value raises :class:`EnvError` naming
+the variable and what it accepts. Per-patch toggles (``VLLM_RLPATCH_<NAME>=0|1``) are generated from the
+patch specs (see :mod:`vllm_rlpatch.patches`), so the list below and ``vllm-rlpatch doctor`` cannot drift.
+
+Values are read lazily (at call time), like vLLM's own ``envs.py``: tests and launchers may set them after
+import. Ray actors and vLLM's worker processes inherit every ``VLLM_*`` variable, so these reach all
+processes of an engine.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+PREFIX = "VLLM_RLPATCH_"
+
+logger = logging.getLogger("vllm.rlpatch")
+
+
+class EnvError(ValueError):
+    """An invalid ``VLLM_RLPATCH_*`` value."""
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise EnvError(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off")
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        v = raw.strip().lower()
+        if v not in choices:
+            raise EnvError(f"{name}={raw!r} is not valid; use one of: {', '.join(choices)}")
+        return v
+
+    parse.choices = choices  # type: ignore[attr-defined]
+    return parse
+
+
+def _directory(name: str, raw: str) -> str:
+    if not raw.strip():
+        raise EnvError(f"{name} is set but empty; give a directory path or unset it")
+    return raw
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parser: Callable[[str, str], Any]
+    default: Any
+    doc: str
+
+    def get(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        return self.parser(self.name, raw)
+
+
+# Global (not per-patch) variables. Per-patch toggles are added by `patch_toggle()`.
+ENABLED = EnvVar(
+    PREFIX + "ENABLED", parse_bool, True,
+    "Kill switch. 0 = the plugin applies no patch in any process (each reports `disabled`).",
+)
+STRICT = EnvVar(
+    PREFIX + "STRICT", parse_bool, False,
+    "1 = any patch that fails to apply raises (default: a failed default patch logs a WARNING; "
+    "a patch enabled explicitly with VLLM_RLPATCH_<NAME>=1 always raises).",
+)
+LOG_LEVEL = EnvVar(
+    PREFIX + "LOG_LEVEL", _choice("debug", "info", "warning", "error"), None,
+    "Level of the `vllm.rlpatch` logger (default: inherit vLLM's). The per-process summary is INFO, "
+    "per-patch details DEBUG.",
+)
+STATUS_DIR = EnvVar(
+    PREFIX + "STATUS_DIR", _directory, None,
+    "If set, every process that loads the plugin writes `<pid>.json` there: role, vLLM version and "
+    "each patch's state (a side channel for launchers and tests).",
+)
+
+GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, STRICT, LOG_LEVEL, STATUS_DIR)
+
+
+def patch_toggle(patch_name: str, default: bool) -> EnvVar:
+    return EnvVar(
+        PREFIX + patch_name.upper(), parse_bool, default,
+        f"1/0 turns the `{patch_name}` patch on/off (default {'on' if default else 'off'}).",
+    )
+
+
+def toggle_is_set(var: EnvVar) -> bool:
+    return var.name in os.environ
+
+
+def all_vars() -> list[EnvVar]:
+    from vllm_rlpatch.patches import ALL_PATCHES
+
+    return [*GLOBAL_VARS, *(patch_toggle(s.name, s.default) for s in ALL_PATCHES)]
+
+
+def known_names() -> list[str]:
+    return [v.name for v in all_vars()]
+
+
+def validate_environment() -> list[str]:
+    """Parse every set ``VLLM_RLPATCH_*`` variable.
+
+    Raises :class:`EnvError` on the first invalid value. Returns a WARNING message for each unknown
+    ``VLLM_RLPATCH_*`` name (with the closest known name), and logs it.
+    """
+    known = {v.name: v for v in all_vars()}
+    warnings: list[str] = []
+    for name in sorted(os.environ):
+        if not name.startswith(PREFIX):
+            continue
+        var = known.get(name)
+        if var is None:
+            close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            msg = f"unknown environment variable {name} (ignored){hint}"
+            warnings.append(msg)
+            logger.warning("vllm-rlpatch: %s", msg)
+            continue
+        var.get()  # raises EnvError on a bad value
+    return warnings
+
+
+def describe() -> list[dict[str, Any]]:
+    """The documented variables with their current raw values (for `doctor`)."""
+    return [
+        {"name": v.name, "default": v.default, "value": os.environ.get(v.name), "doc": v.doc}
+        for v in all_vars()
+    ]

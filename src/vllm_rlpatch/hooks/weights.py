@@ -1,0 +1,252 @@
+"""The weight-update event and the per-engine weight-version counter.
+
+Every update path the plugin can see bumps the version of *its* engine once and notifies listeners
+(:func:`on_weight_update`); later patches react to it (prefix-cache policy, refit bookkeeping).
+
+Where the paths are seen:
+
+* Process 0 (the engine front end): ``LLMEngine.collective_rpc`` and ``AsyncLLM.collective_rpc``, which
+  ``LLM.collective_rpc``, ``LLM.update_weights``/``finish_weight_update`` and the RL HTTP routes all go
+  through. An update is ``reload_weights``; on vLLM 0.25+ ``finish_weight_update`` (the end of a
+  start/update/finish session); on 0.20 each ``update_weights`` call (a whole layerwise reload per call).
+* Each worker: ``Worker.reload_weights``, the native update methods, and ``load_weights`` on the worker's
+  model (trainers call it directly through a worker extension). Nested paths (``reload_weights`` calls
+  ``model.load_weights``) count once: only the outermost call fires.
+
+The counter is per process and per engine object; the worker-side value can be read through the worker
+extension (``collective_rpc("rlpatch_weight_version")``). An update that raises fires nothing: the event
+means "new weights are in place".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from vllm_rlpatch import _wrapping
+
+logger = logging.getLogger("vllm.rlpatch")
+
+OWNER = "weight_events"
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightUpdateEvent:
+    engine_key: str
+    version: int
+    source: str
+    side: str  # "frontend" | "worker"
+    pid: int
+    time: float
+
+
+_LOCK = threading.RLock()
+_VERSIONS: dict[str, int] = {}
+_LISTENERS: list[Callable[[WeightUpdateEvent, Any], None]] = []
+_KEYS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_counter = 0
+
+
+class _Depth(threading.local):
+    n: int = 0
+
+
+_DEPTH = _Depth()
+
+
+def engine_key(engine: Any) -> str:
+    """A stable key per engine object (LLMEngine, AsyncLLM, Worker); ``LLM`` maps to its ``llm_engine``."""
+    engine = getattr(engine, "llm_engine", engine)
+    global _counter
+    with _LOCK:
+        try:
+            key = _KEYS.get(engine)
+        except TypeError:
+            key = None
+        if key is None:
+            _counter += 1
+            key = f"{type(engine).__name__}#{_counter}@{os.getpid()}"
+            try:
+                _KEYS[engine] = key
+            except TypeError:
+                pass
+        return key
+
+
+def weight_version(engine: Any) -> int:
+    """Number of completed weight updates this process has seen for ``engine`` (0 = as loaded)."""
+    with _LOCK:
+        return _VERSIONS.get(engine_key(engine), 0)
+
+
+def on_weight_update(callback: Callable[[WeightUpdateEvent, Any], None]) -> Callable[[], None]:
+    """Call ``callback(event, engine)`` after every weight update. Returns an unsubscribe function."""
+    with _LOCK:
+        _LISTENERS.append(callback)
+
+    def unsubscribe() -> None:
+        with _LOCK:
+            if callback in _LISTENERS:
+                _LISTENERS.remove(callback)
+
+    return unsubscribe
+
+
+def fire(engine: Any, source: str, side: str) -> WeightUpdateEvent:
+    """Bump ``engine``'s version and notify listeners (also used by the refit API)."""
+    key = engine_key(engine)
+    with _LOCK:
+        _VERSIONS[key] = _VERSIONS.get(key, 0) + 1
+        ev = WeightUpdateEvent(key, _VERSIONS[key], source, side, os.getpid(), time.time())
+        listeners = list(_LISTENERS)
+    logger.info("vllm-rlpatch: weight update #%d on %s via %s", ev.version, key, source)
+    for cb in listeners:
+        try:
+            cb(ev, engine)
+        except Exception:
+            logger.exception("vllm-rlpatch: weight-update listener %r raised", cb)
+    return ev
+
+
+# ---------------------------------------------------------------- process 0 (engine front end)
+def _frontend_update_methods() -> frozenset[str]:
+    from vllm.entrypoints.llm import LLM
+
+    if hasattr(LLM, "start_weight_update"):  # 0.25+: an update is a start/update/finish session
+        return frozenset({"reload_weights", "finish_weight_update"})
+    return frozenset({"reload_weights", "update_weights"})  # 0.20: each update_weights is complete
+
+
+_UPDATE_METHODS: frozenset[str] = frozenset()
+
+
+def _is_update(args, kwargs) -> str | None:
+    method = args[0] if args else kwargs.get("method")
+    return method if isinstance(method, str) and method in _UPDATE_METHODS else None
+
+
+def _sync_rpc_wrapper(wrapped, instance, args, kwargs):
+    method = _is_update(args, kwargs)
+    result = wrapped(*args, **kwargs)
+    if method is not None:
+        fire(instance, f"collective_rpc:{method}", "frontend")
+    return result
+
+
+def _async_rpc_wrapper(wrapped, instance, args, kwargs):
+    method = _is_update(args, kwargs)
+    coro = wrapped(*args, **kwargs)
+    if method is None or not inspect.isawaitable(coro):
+        return coro
+
+    async def _run():
+        result = await coro
+        fire(instance, f"collective_rpc:{method}", "frontend")
+        return result
+
+    return _run()
+
+
+# ---------------------------------------------------------------- workers
+def _worker_update_wrapper(source: str):
+    def wrapper(wrapped, instance, args, kwargs):
+        _DEPTH.n += 1
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            _DEPTH.n -= 1
+        if _DEPTH.n == 0:
+            fire(instance, source, "worker")
+        return result
+
+    return wrapper
+
+
+def _model_load_weights_wrapper(worker_ref):
+    def wrapper(wrapped, instance, args, kwargs):
+        _DEPTH.n += 1
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            _DEPTH.n -= 1
+        worker = worker_ref()
+        if _DEPTH.n == 0 and worker is not None:
+            fire(worker, "model.load_weights", "worker")
+        return result
+
+    return wrapper
+
+
+def _wrap_model_of(worker: Any) -> None:
+    runner = getattr(worker, "model_runner", None)
+    model = None
+    if runner is not None:
+        get_model = getattr(runner, "get_model", None)
+        try:
+            model = get_model() if callable(get_model) else getattr(runner, "model", None)
+        except Exception:
+            model = getattr(runner, "model", None)
+    if model is None or not hasattr(model, "load_weights"):
+        return
+    import wrapt
+
+    lw = model.__dict__.get("load_weights")
+    if _wrapping.is_proxy(lw):
+        return
+    wrapt.wrap_function_wrapper(model, "load_weights", _model_load_weights_wrapper(weakref.ref(worker)))
+    _WRAPPED_MODELS.add(model)
+
+
+_WRAPPED_MODELS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _load_model_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    try:
+        _wrap_model_of(instance)
+    except Exception:
+        logger.debug("vllm-rlpatch: could not hook model.load_weights", exc_info=True)
+    return result
+
+
+WORKER = "vllm.v1.worker.gpu_worker:Worker"
+FRONTEND_TARGETS = ("vllm.v1.engine.llm_engine:LLMEngine.collective_rpc",
+                    "vllm.v1.engine.async_llm:AsyncLLM.collective_rpc")
+WORKER_TARGETS = (f"{WORKER}.reload_weights", f"{WORKER}.load_model")
+
+
+def _worker_update_methods() -> tuple[str, ...]:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if hasattr(Worker, "finish_weight_update"):
+        return ("finish_weight_update",)
+    return ("update_weights",) if hasattr(Worker, "update_weights") else ()
+
+
+def install() -> None:
+    global _UPDATE_METHODS
+    _UPDATE_METHODS = _frontend_update_methods()
+    _wrapping.wrap(FRONTEND_TARGETS[0], _sync_rpc_wrapper, OWNER)
+    _wrapping.wrap(FRONTEND_TARGETS[1], _async_rpc_wrapper, OWNER)
+    _wrapping.wrap(f"{WORKER}.reload_weights", _worker_update_wrapper("reload_weights"), OWNER)
+    for m in _worker_update_methods():
+        _wrapping.wrap(f"{WORKER}.{m}", _worker_update_wrapper(m), OWNER)
+    _wrapping.wrap(f"{WORKER}.load_model", _load_model_wrapper, OWNER)
+
+
+def uninstall() -> None:
+    for t in FRONTEND_TARGETS:
+        _wrapping.unwrap(t, OWNER)
+    for m in ("reload_weights", "load_model", "finish_weight_update", "update_weights"):
+        _wrapping.unwrap(f"{WORKER}.{m}", OWNER)
+    for model in list(_WRAPPED_MODELS):
+        lw = model.__dict__.get("load_weights")
+        if _wrapping.is_proxy(lw):
+            del model.__dict__["load_weights"]
+    _WRAPPED_MODELS.clear()

@@ -1,0 +1,184 @@
+"""The ``vllm.general_plugins`` entry point: ``rlpatch = vllm_rlpatch.plugin:register``.
+
+vLLM calls :func:`register` once per process (process 0 inside ``EngineArgs.__post_init__``, the CLI
+process in ``add_cli_args``, the engine core in ``EngineCore.__init__``, each worker in ``init_worker``).
+It validates the ``VLLM_RLPATCH_*`` environment, applies every patch spec through the registry, logs one
+INFO summary line (pid, role, vLLM version, applied / skipped / failed) and, if
+``VLLM_RLPATCH_STATUS_DIR`` is set, writes ``<pid>.json``.
+
+vLLM swallows exceptions raised while *loading* an entry point but not those raised while running it;
+this function therefore never raises unless asked to (an invalid ``VLLM_RLPATCH_*`` value, strict mode, or
+an explicitly enabled patch that failed): silent skipping is what it exists to prevent.
+
+Processes forked after registration inherit vLLM's ``plugins_loaded`` flag and our applied patches, so
+``register`` is not called again there; an at-fork hook reports the inherited status under the child's pid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger("vllm.rlpatch")
+
+_LOCK = threading.Lock()
+_registered_pid: int | None = None
+_role: str = "unknown"
+_register_seconds: float | None = None
+_fork_hook_installed = False
+
+# Frames that call vLLM's load_general_plugins(), innermost first match decides the role.
+_ROLE_FRAMES = (
+    ("init_worker", "worker"),
+    ("EngineCore.__init__", "engine_core"),
+    ("add_cli_args", "cli"),
+    ("__post_init__", "frontend"),
+    ("_run", "model_inspection"),
+)
+
+
+def _detect_role() -> str:
+    f = sys._getframe(3)
+    while f is not None:
+        code = f.f_code
+        qual = getattr(code, "co_qualname", code.co_name)
+        if "/vllm/" in code.co_filename.replace("\\", "/"):
+            for needle, role in _ROLE_FRAMES:
+                if qual.endswith(needle):
+                    return role
+        f = f.f_back
+    return "other"
+
+
+def process_role() -> str:
+    return _role
+
+
+def register_seconds() -> float | None:
+    return _register_seconds
+
+
+def _summary(statuses) -> str:
+    from vllm_rlpatch.versions import vllm_info
+
+    by_state: dict[str, list[str]] = {}
+    for s in statuses:
+        by_state.setdefault(s.state, []).append(s.name)
+    info = vllm_info()
+    skipped = by_state.get("disabled", []) + by_state.get("not_needed", []) + by_state.get("unsupported", [])
+    return (f"vllm-rlpatch: pid={os.getpid()} role={_role} vllm={info.raw_version} ({info.distribution}) "
+            f"applied=[{','.join(by_state.get('applied', []))}] skipped=[{','.join(skipped)}] "
+            f"failed=[{','.join(by_state.get('failed', []))}]")
+
+
+def _write_status_file(statuses, extra: dict[str, Any] | None = None) -> None:
+    from vllm_rlpatch import envs
+    from vllm_rlpatch.versions import vllm_info
+
+    d = envs.STATUS_DIR.get()
+    if not d:
+        return
+    try:
+        os.makedirs(d, exist_ok=True)
+        payload = {"pid": os.getpid(), "ppid": os.getppid(), "role": _role, "vllm": vllm_info().raw_version,
+                   "register_seconds": _register_seconds,
+                   "patches": [s.as_dict() for s in statuses], **(extra or {})}
+        tmp = os.path.join(d, f".{os.getpid()}.json.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(payload, fh, indent=1)
+        os.replace(tmp, os.path.join(d, f"{os.getpid()}.json"))
+    except OSError as e:
+        logger.warning("vllm-rlpatch: cannot write status file in %s: %s", d, e)
+
+
+def _vllm_logging_configured() -> bool:
+    return bool(logging.getLogger("vllm").handlers) or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0"
+
+
+def _log_summary(line: str) -> None:
+    """Log the per-process summary at INFO, even where vLLM would swallow it: vLLM 0.32 loads plugins in
+    process 0 inside ``suppress_logging()`` and before it has configured its ``vllm`` logger. The user's
+    level (``VLLM_LOGGING_LEVEL`` / their logging config) still rules."""
+    if not _vllm_logging_configured():
+        if logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()) <= logging.INFO:
+            stamp = time.strftime("%m-%d %H:%M:%S")
+            print(f"INFO {stamp} [vllm_rlpatch] {line}", file=sys.stderr, flush=True)
+        return
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(line)
+    elif logger.getEffectiveLevel() <= logging.INFO and not logger.disabled:
+        fn, lno, func, sinfo = logger.findCaller()
+        logger.handle(logger.makeRecord(logger.name, logging.INFO, fn, lno, line, (), None, func, None, sinfo))
+
+
+def _after_fork_in_child() -> None:
+    global _role, _registered_pid
+    parent = _registered_pid
+    if parent is None or parent == os.getpid():
+        return
+    _registered_pid = os.getpid()
+    _role = f"forked:{_role}"
+    try:
+        from vllm_rlpatch import registry
+
+        statuses = registry.status()
+        _log_summary(f"{_summary(statuses)} (inherited from pid {parent} via fork)")
+        _write_status_file(statuses, {"forked_from": parent})
+    except Exception:
+        pass
+
+
+def _configure_logging() -> None:
+    from vllm_rlpatch import envs
+
+    level = envs.LOG_LEVEL.get()
+    if level:
+        logger.setLevel(level.upper())
+
+
+def register() -> None:
+    """Apply all patches in this process (idempotent per process). The entry point vLLM calls."""
+    _register(None)
+
+
+def register_as(role: str) -> None:
+    """Like :func:`register`, for our own tools (``doctor``) that load the plugin outside vLLM's hooks."""
+    _register(role)
+
+
+def _register(role: str | None) -> None:
+    global _registered_pid, _role, _register_seconds, _fork_hook_installed
+    with _LOCK:
+        if _registered_pid == os.getpid():
+            return
+        t0 = time.perf_counter()
+        from vllm_rlpatch import envs, registry
+
+        _role = role or _detect_role()
+        from vllm_rlpatch._startup import declare_env_names
+
+        declare_env_names()
+        _configure_logging()
+        envs.validate_environment()  # raises EnvError on an invalid value
+        if envs.ENABLED.get():
+            try:
+                from vllm_rlpatch.hooks import explicit
+
+                explicit.install()  # no-op when the .pth start-up hook already did it
+            except Exception as e:  # vLLM without arg_utils? the config patches will report it
+                logger.debug("vllm-rlpatch: explicit-argument capture unavailable: %r", e)
+        statuses = registry.apply_all()  # raises PatchError under strict mode
+        _registered_pid = os.getpid()
+        _register_seconds = time.perf_counter() - t0
+        _log_summary(_summary(statuses))
+        for s in statuses:
+            logger.debug("vllm-rlpatch:   %-18s %-11s %s", s.name, s.state, s.reason)
+        _write_status_file(statuses)
+        if not _fork_hook_installed:
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook_installed = True

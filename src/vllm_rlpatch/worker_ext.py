@@ -1,0 +1,78 @@
+"""The worker extension the plugin installs (``EngineArgs.worker_extension_cls``).
+
+vLLM mixes the extension class into every worker and asserts that none of its attribute names exists on
+the Worker, so every method here is prefixed ``rlpatch_`` (vLLM 0.32 has ``update_weights``,
+``start_weight_update``, ``reset_weights``, ... on the Worker itself). Call them with
+``llm.collective_rpc("rlpatch_<name>")``.
+
+Composition: when the user (or their RL framework) passes its own ``worker_extension_cls``, the
+``worker_extension`` patch replaces it with ``vllm_rlpatch.worker_ext.with:<their qualname with : for .>``.
+vLLM resolves that name in the worker through this module's ``__getattr__``, which builds one class
+deriving from theirs and ours (theirs first, so their methods win). If their class already derives from
+ours, it is used as is, so nothing runs twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Any
+
+COMPOSE_PREFIX = "with:"
+QUALNAME = "vllm_rlpatch.worker_ext.RLPatchWorkerExtension"
+
+
+class RLPatchWorkerExtension:
+    """Methods available on every worker of an engine started with the plugin."""
+
+    def rlpatch_ping(self) -> dict[str, Any]:
+        """Prove the plugin is live in this worker: pid, role, vLLM version, applied patches."""
+        from vllm_rlpatch import plugin, registry
+        from vllm_rlpatch.versions import vllm_info
+
+        return {"pid": os.getpid(), "role": plugin.process_role(), "vllm": vllm_info().raw_version,
+                "applied": registry.applied_names()}
+
+    def rlpatch_status(self) -> list[dict[str, Any]]:
+        from vllm_rlpatch import registry
+
+        return [s.as_dict() for s in registry.status()]
+
+    def rlpatch_weight_version(self) -> int:
+        """Completed weight updates this worker has seen (reload_weights, native updates, load_weights)."""
+        from vllm_rlpatch.hooks import weights
+
+        return weights.weight_version(self)
+
+
+def compose_qualname(user_qualname: str) -> str:
+    if user_qualname == QUALNAME or user_qualname.startswith("vllm_rlpatch.worker_ext." + COMPOSE_PREFIX):
+        return user_qualname
+    return "vllm_rlpatch.worker_ext." + COMPOSE_PREFIX + user_qualname.replace(".", ":")
+
+
+def _resolve(qualname: str) -> type:
+    module_name, _, name = qualname.rpartition(".")
+    if not module_name:
+        raise ValueError(f"worker_extension_cls {qualname!r} is not a 'module.Class' qualname")
+    return getattr(importlib.import_module(module_name), name)
+
+
+@functools.lru_cache(maxsize=None)
+def composed(user_qualname: str) -> type:
+    user_cls = _resolve(user_qualname)
+    if isinstance(user_cls, type) and issubclass(user_cls, RLPatchWorkerExtension):
+        return user_cls
+    clash = sorted(a for a in vars(RLPatchWorkerExtension) if not a.startswith("__") and hasattr(user_cls, a))
+    if clash:
+        raise TypeError(f"worker_extension_cls {user_qualname} defines {clash}, reserved by vllm-rlpatch's "
+                        "worker extension; rename them or set VLLM_RLPATCH_WORKER_EXTENSION=0")
+    return type(f"RLPatchWith_{user_cls.__name__}", (user_cls, RLPatchWorkerExtension),
+                {"__module__": __name__, "__qualname__": COMPOSE_PREFIX + user_qualname.replace(".", ":")})
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith(COMPOSE_PREFIX):
+        return composed(name[len(COMPOSE_PREFIX):].replace(":", "."))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,122 @@
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _pytest.reports import TestReport
+from _pytest.runner import runtestprotocol
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "scripts"
+
+SUMMARY_RE = re.compile(r"vllm-rlpatch: pid=(\d+) role=(\S+) vllm=(\S+) \(([^)]*)\) applied=\[([^\]]*)\] "
+                        r"skipped=\[([^\]]*)\] failed=\[([^\]]*)\]")
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def model_path(name: str = "llama-tiny") -> str:
+    from vllm_rlpatch.models import path
+
+    return path(name)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_RLPATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+class EngineRun:
+    def __init__(self, proc: subprocess.CompletedProcess, status_dir: Path):
+        self.proc = proc
+        self.log = proc.stdout + proc.stderr
+        m = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        self.result = json.loads(m[-1][len("RESULT "):]) if m else None
+        self.status_dir = status_dir
+
+    def summaries(self) -> list[dict]:
+        return [dict(zip(("pid", "role", "vllm", "dist", "applied", "skipped", "failed"), g))
+                for g in SUMMARY_RE.findall(self.log)]
+
+    def status_files(self) -> list[dict]:
+        if not self.status_dir.exists():
+            return []
+        return [json.loads(p.read_text()) for p in sorted(self.status_dir.glob("*.json"))]
+
+    def check(self):
+        assert self.proc.returncode == 0 and self.result is not None, self.log[-6000:]
+        return self.result
+
+
+def run_engine(tmp_path: Path, spec: dict, timeout: float = 600, **env: str) -> EngineRun:
+    status_dir = tmp_path / "status"
+    e = clean_env(VLLM_RLPATCH_STATUS_DIR=str(status_dir), **env)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "run_engine.py"), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, env=e, cwd=str(tmp_path))
+    return EngineRun(proc, status_dir)
+
+
+def run_py(code: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env=clean_env(**env))
+
+
+@pytest.fixture(scope="session")
+def version() -> str:
+    return vllm_version()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `@pytest.mark.forked`: run the test in a forked child (tests that change process-global patch state).
+# pytest-forked does not work with pytest 9, so this is the same idea in a few lines.
+def pytest_configure(config):
+    config.addinivalue_line("markers", "forked: run this test in a forked subprocess")
+
+
+def pytest_runtest_protocol(item, nextitem):
+    if item.get_closest_marker("forked") is None:
+        return None
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        code = 0
+        try:
+            reports = runtestprotocol(item, log=False, nextitem=None)
+            payload = [item.config.hook.pytest_report_to_serializable(config=item.config, report=rep)
+                       for rep in reports]
+            data = json.dumps(payload).encode()
+        except BaseException as e:  # noqa: BLE001 - report anything to the parent
+            data = json.dumps({"crash": repr(e)}).encode()
+            code = 1
+        with os.fdopen(w, "wb") as fh:
+            fh.write(data)
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    try:
+        payload = json.loads(data) if data else {"crash": f"child died (wait status {status})"}
+    except ValueError:
+        payload = {"crash": f"unreadable child report (wait status {status})"}
+    if isinstance(payload, dict):
+        reports = [TestReport(item.nodeid, item.location, {}, "failed",
+                              f"forked test crashed: {payload['crash']}", "call", [])]
+    else:
+        reports = [item.config.hook.pytest_report_from_serializable(config=item.config, data=d) for d in payload]
+    for rep in reports:
+        ihook.pytest_runtest_logreport(report=rep)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True

@@ -1,0 +1,122 @@
+"""The shared contract every patch spec must honour, on the real installed vLLM (one forked process each)."""
+
+import pytest
+from packaging.version import Version
+
+from vllm_rlpatch import _wrapping, registry
+from vllm_rlpatch.patches import ALL_PATCHES
+from vllm_rlpatch.versions import VllmInfo, vllm_info
+
+pytestmark = pytest.mark.forked
+IDS = [s.name for s in ALL_PATCHES]
+
+
+# Import every patch target once in the parent so each forked test starts in milliseconds.
+for _spec in ALL_PATCHES:
+    for _t in _spec.targets:
+        _wrapping.resolve(_t)
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("VLLM_RLPATCH_"):
+            monkeypatch.delenv(k)
+    registry._reset_for_tests()
+
+
+def _snapshot(spec):
+    snap = {}
+    for t in spec.targets:
+        parent, attr, value = _wrapping.resolve(t)
+        raw = parent.__dict__.get(attr, value) if isinstance(parent, type) else value
+        snap[t] = raw
+    return snap
+
+
+def _all_hook_targets():
+    from vllm_rlpatch.targets import all_targets
+
+    return all_targets()
+
+
+def _unwrapped_state():
+    from vllm_rlpatch.hooks import explicit
+
+    explicit.uninstall()  # the .pth start-up hook installed it at import; start from pristine vLLM
+    return {t: _wrapping.is_wrapped(t) for t in _all_hook_targets()}
+
+
+@pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
+def test_spec_is_declarative_and_documented(spec):
+    import importlib
+
+    mod = importlib.import_module(f"vllm_rlpatch.patches.{spec.name}")  # one module per patch
+    doc = mod.__doc__ or ""
+    for section in ("Why:", "How:", "Targets:", "Upstream:", "Remove when:"):
+        assert section in doc, f"{mod.__name__} docstring lacks {section}"
+    assert spec.summary and spec.upstream and spec.remove_when
+    assert spec.env.name == f"VLLM_RLPATCH_{spec.name.upper()}"
+    assert all(":" in t for t in spec.targets)
+
+
+@pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
+def test_apply_revert_idempotent(spec):
+    before = _unwrapped_state()
+    assert not any(before.values())
+    originals = _snapshot(spec)
+    st = registry.apply_one(spec)
+    assert st.state == "applied", st
+    assert registry.apply_one(spec).state == "applied"
+    registry.revert_one(spec)
+    registry.revert_one(spec)
+    assert _snapshot(spec) == originals
+    assert {t: _wrapping.is_wrapped(t) for t in before} == before, "revert left a wrapper behind"
+    assert registry.apply_one(spec).state == "applied"
+    registry.revert_one(spec)
+    assert {t: _wrapping.is_wrapped(t) for t in before} == before
+
+
+@pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
+def test_env_toggle_off(spec, monkeypatch):
+    before = _unwrapped_state()
+    monkeypatch.setenv(spec.env.name, "0")
+    st = registry.apply_one(spec)
+    assert st.state == "disabled" and spec.env.name in st.reason
+    assert {t: _wrapping.is_wrapped(t) for t in before} == before
+
+
+@pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
+def test_kill_switch(spec, monkeypatch):
+    before = _unwrapped_state()
+    monkeypatch.setenv("VLLM_RLPATCH_ENABLED", "0")
+    assert registry.apply_one(spec).state == "disabled"
+    assert {t: _wrapping.is_wrapped(t) for t in before} == before
+
+
+@pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
+def test_out_of_range_version_is_unsupported(spec):
+    before = _unwrapped_state()
+    old = VllmInfo(Version("0.8.5"), "0.8.5", "vllm")
+    st = registry.apply_one(spec, old)
+    assert st.state == "unsupported" and "0.8.5" in st.reason
+    assert {t: _wrapping.is_wrapped(t) for t in before} == before
+
+
+@pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
+def test_fixed_in_retires(spec):
+    if spec.fixed_in is None:
+        pytest.skip(f"{spec.name}: no upstream fix known (fixed_in=None)")
+    info = VllmInfo(Version(spec.fixed_in), spec.fixed_in, "vllm")
+    assert registry.apply_one(spec, info).state == "not_needed"
+
+
+def test_status_lists_every_patch_with_a_state_and_reason():
+    registry.apply_all()
+    recs = registry.status()
+    assert [r.name for r in recs] == IDS
+    for r in recs:
+        assert r.state in registry.STATES and r.reason
+    assert vllm_info().installed

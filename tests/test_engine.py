@@ -1,0 +1,114 @@
+"""Real vllm.LLM engines on CPU: the plugin runs in every vLLM process, changes logprobs_mode unless the
+user set it, fires weight-update events, composes worker extensions; the kill switch restores stock.
+
+Each scenario is one engine in a subprocess (its full multi-process log is the evidence)."""
+
+import math
+import os
+
+import pytest
+
+from conftest import model_path, run_engine
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """A plain vllm.LLM(model) with no extra arguments (only CPU sizing), default start method."""
+    return run_engine(tmp_path_factory.mktemp("default"), {
+        "engine": {"model": model_path()}, "logprobs_probe": True, "reload": True,
+        "rpc": ["rlpatch_ping", "rlpatch_weight_version"], "rpc_after_reload": ["rlpatch_weight_version"]})
+
+
+@pytest.fixture(scope="module")
+def disabled_run(tmp_path_factory):
+    return run_engine(tmp_path_factory.mktemp("disabled"), {
+        "engine": {"model": model_path()}, "logprobs_probe": True, "rpc": ["rlpatch_ping"]},
+        VLLM_RLPATCH_ENABLED="0")
+
+
+def _assert_processed(probe):
+    # top_k=3 with 8 logprobs requested: in the processed distribution 5 of 8 are -inf at every position
+    # (more survive only on exact bf16 ties) and, where some are -inf, the finite ones carry all the mass.
+    assert probe["neg_inf"] >= probe["positions"] * 3, probe
+    assert probe["mass_positions"] >= probe["positions"] * 0.8, probe
+    assert probe["min_mass"] > 0.999 and probe["max_mass"] < 1.001, probe
+
+
+def _assert_raw(probe):
+    assert probe["neg_inf"] == 0, probe
+    assert probe["max_mass"] < 0.9999, probe
+
+
+def test_summary_from_every_vllm_process(default_run, version):
+    default_run.check()
+    s = default_run.summaries()
+    pids = {x["pid"] for x in s}
+    roles = {x["role"] for x in s}
+    assert len(pids) >= 2, default_run.log[-4000:]
+    assert {"frontend", "engine_core", "worker"} <= roles, roles
+    for x in s:
+        assert x["vllm"] == version and x["failed"] == ""
+        assert set(x["applied"].split(",")) == {"weight_events", "worker_extension", "rl_defaults"}
+    files = default_run.status_files()
+    assert {str(f["pid"]) for f in files} >= pids  # side channel agrees with the log
+
+
+def test_logprobs_are_processed_by_default(default_run):
+    r = default_run.check()
+    assert r["logprobs_mode"] == "processed_logprobs"
+    _assert_processed(r["probe"])
+
+
+def test_worker_extension_is_live_in_the_worker(default_run):
+    r = default_run.check()
+    (ping,) = r["rpc:rlpatch_ping"]
+    assert ping["role"] == "worker" and ping["pid"] != r["pid"] and "rl_defaults" in ping["applied"]
+
+
+def test_weight_update_event_counts_each_reload_once_per_side(default_run):
+    r = default_run.check()
+    assert r["rpc:rlpatch_weight_version"] == [0]
+    assert r["frontend_weight_version"] == 2  # two collective_rpc("reload_weights")
+    assert r["after:rlpatch_weight_version"] == [2]  # reload_weights -> model.load_weights nested: once
+    assert default_run.log.count("via reload_weights") == 2
+    assert default_run.log.count("via collective_rpc:reload_weights") == 2
+
+
+def test_kill_switch_gives_stock_vllm_everywhere(disabled_run):
+    r = disabled_run.check()
+    assert r["logprobs_mode"] == "raw_logprobs" and r["worker_extension_cls"] == ""
+    _assert_raw(r["probe"])
+    assert "error" in r["rpc:rlpatch_ping"]
+    s = disabled_run.summaries()
+    assert len({x["pid"] for x in s}) >= 2
+    assert all(x["applied"] == "" for x in s)
+    for f in disabled_run.status_files():
+        assert {p["state"] for p in f["patches"]} == {"disabled"}
+
+
+def test_explicit_raw_and_user_extension_are_respected(tmp_path):
+    run = run_engine(tmp_path, {
+        "engine": {"model": model_path("qwen2-tiny"), "logprobs_mode": "raw_logprobs",
+                   "worker_extension_cls": "helpers_ext.FrameworkExtension"},
+        "logprobs_probe": True, "rpc": ["framework_hello", "rlpatch_ping"]})
+    r = run.check()
+    assert r["logprobs_mode"] == "raw_logprobs"
+    _assert_raw(r["probe"])
+    assert r["worker_extension_cls"] == "vllm_rlpatch.worker_ext.with:helpers_ext:FrameworkExtension"
+    assert r["rpc:framework_hello"][0]["has_rlpatch"] is True
+    assert r["rpc:rlpatch_ping"][0]["role"] == "worker"
+    assert "was set explicitly and is kept" in run.log
+
+
+def test_status_reported_under_fork_start_method(tmp_path):
+    run = run_engine(tmp_path, {"engine": {"model": model_path()}, "rpc": ["rlpatch_ping"]},
+                     VLLM_WORKER_MULTIPROC_METHOD="fork")
+    r = run.check()
+    assert r["logprobs_mode"] == "processed_logprobs"
+    s = run.summaries()
+    assert len({x["pid"] for x in s}) >= 2, run.log[-4000:]
+    ping = r["rpc:rlpatch_ping"][0]
+    assert ping["pid"] != r["pid"]
+    assert any(x["pid"] == str(ping["pid"]) for x in s), "the worker's pid must have reported a status"
