@@ -16,7 +16,12 @@ def _patches(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="vllm-rlpatch patches", description="List the patch specs.")
     ap.add_argument("--markdown", action="store_true", help="the README table")
+    ap.add_argument("--update-readme", metavar="README", help="rewrite the generated tables in this README")
     args = ap.parse_args(argv)
+    if args.update_readme:
+        changed = table.regenerate_readme(args.update_readme)
+        print(f"{args.update_readme}: {'updated' if changed else 'already current'}")
+        return 0
     print(table.markdown() if args.markdown else table.plain())
     return 0
 

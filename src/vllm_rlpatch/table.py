@@ -22,3 +22,30 @@ def markdown() -> str:
 
 def plain() -> str:
     return "\n".join(f"{r['name']:<18} {r['vllm']:<10} {r['toggle']:<48} {r['summary']}" for r in rows())
+
+
+def env_markdown() -> str:
+    from vllm_rlpatch import envs
+
+    out = ["| variable | default | meaning |", "|---|---|---|"]
+    for v in envs.all_vars():
+        default = {True: "1", False: "0", None: "unset"}.get(v.default, str(v.default))
+        out.append(f"| `{v.name}` | {default} | {v.doc} |")
+    return "\n".join(out)
+
+
+def replace_between(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    a, b = text.index(start) + len(start), text.index(end)
+    return text[:a] + "\n" + body + "\n" + text[b:]
+
+
+def regenerate_readme(path: str) -> bool:
+    """Rewrite the generated sections of the README in place. Returns True if it changed."""
+    with open(path, encoding="utf-8") as fh:
+        old = fh.read()
+    new = replace_between(replace_between(old, "patch-table", markdown()), "env-table", env_markdown())
+    if new != old:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(new)
+    return new != old

@@ -1,0 +1,26 @@
+"""The README's generated tables match the code; the README's two commands exist."""
+
+from pathlib import Path
+
+from vllm_rlpatch import table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _section(text: str, name: str) -> str:
+    a = text.index(f"<!-- {name}:start -->") + len(f"<!-- {name}:start -->")
+    return text[a:text.index(f"<!-- {name}:end -->")].strip()
+
+
+def test_readme_tables_are_generated_from_the_code():
+    readme = (ROOT / "README.md").read_text()
+    hint = "run: vllm-rlpatch patches --update-readme README.md"
+    assert _section(readme, "patch-table") == table.markdown(), hint
+    assert _section(readme, "env-table") == table.env_markdown(), hint
+
+
+def test_readme_commands_and_ci_agree():
+    readme = (ROOT / "README.md").read_text()
+    assert "bash scripts/demo.sh" in readme and "bash ci/test.sh" in readme
+    assert "bash ci/test.sh" in (ROOT / ".ci" / "run").read_text()
+    assert (ROOT / "scripts" / "demo.sh").exists() and (ROOT / "CHANGELOG.md").exists()
