@@ -116,6 +116,9 @@ def pytest_runtest_protocol(item, nextitem):
                               f"forked test crashed: {payload['crash']}", "call", [])]
     else:
         reports = [item.config.hook.pytest_report_from_serializable(config=item.config, data=d) for d in payload]
+        for rep in reports:  # JSON turned the (path, lineno, reason) tuple of a skip into a list
+            if isinstance(rep.longrepr, list):
+                rep.longrepr = tuple(rep.longrepr)
     for rep in reports:
         ihook.pytest_runtest_logreport(report=rep)
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)

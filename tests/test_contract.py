@@ -24,6 +24,7 @@ def _clean(monkeypatch):
     for k in list(os.environ):
         if k.startswith("VLLM_RLPATCH_"):
             monkeypatch.delenv(k)
+    registry.revert_all()  # a plugin registered in the parent must not leak into the contract
     registry._reset_for_tests()
 
 

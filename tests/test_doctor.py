@@ -76,7 +76,8 @@ def test_strict_mode_raises_for_a_broken_patch_in_a_real_vllm_process(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     st = json.loads(p.stdout.split("STATUS ", 1)[1])
     assert st["broken_demo"] == "failed" and st["rl_defaults"] == "applied"
-    assert "patch broken_demo FAILED to apply" in p.stderr and "failed=[broken_demo]" in p.stderr
+    log = p.stdout + p.stderr  # vLLM logs to stdout, the plugin's pre-logging-config fallback to stderr
+    assert "patch broken_demo FAILED to apply" in log and "failed=[broken_demo]" in log
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env=clean_env(VLLM_RLPATCH_STRICT="1"))
     assert p.returncode != 0 and "PatchError" in p.stderr and "deliberately broken" in p.stderr

@@ -92,7 +92,9 @@ def test_explicit_raw_and_user_extension_are_respected(tmp_path):
     run = run_engine(tmp_path, {
         "engine": {"model": model_path("qwen2-tiny"), "logprobs_mode": "raw_logprobs",
                    "worker_extension_cls": "helpers_ext.FrameworkExtension"},
-        "logprobs_probe": True, "rpc": ["framework_hello", "rlpatch_ping"]})
+        "logprobs_probe": True,
+        "rpc": ["framework_hello", "rlpatch_ping", "framework_load_weights", "rlpatch_weight_version"],
+        "rpc_args": {"framework_load_weights": [model_path("qwen2-tiny") + "/model.safetensors"]}})
     r = run.check()
     assert r["logprobs_mode"] == "raw_logprobs"
     _assert_raw(r["probe"])
@@ -100,6 +102,10 @@ def test_explicit_raw_and_user_extension_are_respected(tmp_path):
     assert r["rpc:framework_hello"][0]["has_rlpatch"] is True
     assert r["rpc:rlpatch_ping"][0]["role"] == "worker"
     assert "was set explicitly and is kept" in run.log
+    # A trainer-style direct model.load_weights in the worker: the event fires only if the load succeeded
+    # (vLLM 0.32 CPU rejects it: its parameters were repacked for the CPU kernels after loading).
+    (lw,) = r["rpc:framework_load_weights"]
+    assert r["rpc:rlpatch_weight_version"] == [1 if lw["ok"] else 0], lw
 
 
 def test_status_reported_under_fork_start_method(tmp_path):
@@ -112,3 +118,20 @@ def test_status_reported_under_fork_start_method(tmp_path):
     ping = r["rpc:rlpatch_ping"][0]
     assert ping["pid"] != r["pid"]
     assert any(x["pid"] == str(ping["pid"]) for x in s), "the worker's pid must have reported a status"
+
+
+def test_async_llm_gets_the_defaults_and_counts_async_updates(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import SCRIPTS, clean_env
+
+    p = subprocess.run([sys.executable, str(SCRIPTS / "run_async_engine.py"), model_path()], capture_output=True,
+                       text=True, timeout=600, env=clean_env(), cwd=str(tmp_path))
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
+    r = json.loads(lines[-1][7:])
+    assert r["logprobs_mode"] == "processed_logprobs"
+    assert r["neg_inf"] >= r["positions"] * 3
+    assert r["frontend_weight_version"] == 1 and r["worker_weight_version"] == [1]

@@ -54,7 +54,7 @@ def main():
         res["probe"] = logprob_probe(llm, vllm, res["logprobs_mode"] == "processed_logprobs")
     for method in spec.get("rpc", []):
         try:
-            res[f"rpc:{method}"] = llm.collective_rpc(method)
+            res[f"rpc:{method}"] = llm.collective_rpc(method, args=tuple(spec.get("rpc_args", {}).get(method, ())))
         except Exception as e:  # reported, the test decides
             res[f"rpc:{method}"] = {"error": f"{type(e).__name__}: {e}"}
     if spec.get("reload"):
