@@ -13,7 +13,7 @@ IDS = [s.name for s in ALL_PATCHES]
 
 # Import every patch target once in the parent so each forked test starts in milliseconds.
 for _spec in ALL_PATCHES:
-    for _t in _spec.targets:
+    for _t in (*_spec.targets, *_spec.lazy_targets):
         _wrapping.resolve(_t)
 
 
@@ -30,7 +30,7 @@ def _clean(monkeypatch):
 
 def _snapshot(spec):
     snap = {}
-    for t in spec.targets:
+    for t in (*spec.targets, *spec.lazy_targets):
         parent, attr, value = _wrapping.resolve(t)
         raw = parent.__dict__.get(attr, value) if isinstance(parent, type) else value
         snap[t] = raw
@@ -60,7 +60,7 @@ def test_spec_is_declarative_and_documented(spec):
         assert section in doc, f"{mod.__name__} docstring lacks {section}"
     assert spec.summary and spec.upstream and spec.remove_when
     assert spec.env.name == f"VLLM_RLPATCH_{spec.name.upper()}"
-    assert all(":" in t for t in spec.targets)
+    assert all(":" in t for t in (*spec.targets, *spec.lazy_targets))
 
 
 @pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)

@@ -7,12 +7,10 @@ it is imported by the ``.pth`` start-up hook in every interpreter of the environ
 
 from __future__ import annotations
 
-from typing import Any
-
 __version__ = "0.1.0"
 
 
-def status() -> list[dict[str, Any]]:
+def status() -> "list[dict]":
     """One record per patch: ``name``, ``state`` (applied / disabled / not_needed / unsupported / failed),
     ``reason`` and the spec's range, ``fixed_in``, default and env toggle."""
     from vllm_rlpatch import registry
@@ -20,7 +18,7 @@ def status() -> list[dict[str, Any]]:
     return [s.as_dict() for s in registry.status()]
 
 
-def weight_version(engine: Any) -> int:
+def weight_version(engine) -> int:
     """Completed weight updates seen for ``engine`` (a ``vllm.LLM``, ``LLMEngine`` or ``AsyncLLM``)."""
     from vllm_rlpatch.hooks import weights
 

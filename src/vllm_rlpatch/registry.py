@@ -21,6 +21,7 @@ Decision order for one patch (first match wins):
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
@@ -49,6 +50,7 @@ class PatchSpec:
     vllm:      PEP 440 specifier of the vLLM releases the patch is written for (release part compared).
     fixed_in:  first vLLM release whose upstream code no longer has the bug (``None``: still present).
     targets:   ``"module:Qual.name"`` paths that must exist (feature detection for API drift).
+    lazy_targets: targets whose module is only wrapped once something else imports it.
     apply/revert: callables; both must be idempotent. ``revert`` undoes exactly what ``apply`` did.
     probe:     optional cheap behaviour check; returns True if the bug is present in this vLLM.
     default:   applied when the toggle is unset.
@@ -67,6 +69,9 @@ class PatchSpec:
     default: bool = True
     upstream: str = ""
     remove_when: str = ""
+    # Targets in modules the plugin must not import itself (e.g. the worker module, 1.7 s to import, in
+    # process 0): checked here only if their module is already loaded, otherwise by the patch when it is.
+    lazy_targets: tuple[str, ...] = ()
 
     @property
     def env(self) -> envs.EnvVar:
@@ -132,6 +137,8 @@ def decide(spec: PatchSpec, info: VllmInfo | None = None) -> tuple[str | None, s
             return "unsupported", f"vLLM {info.raw_version} is newer than the supported range {spec.vllm}"
         return "unsupported", f"vLLM {info.raw_version} is outside the supported range {spec.vllm}"
     missing = [t for t in spec.targets if not _wrapping.target_exists(t)]
+    missing += [t for t in spec.lazy_targets
+                if t.partition(":")[0] in sys.modules and not _wrapping.target_exists(t)]
     if missing:
         return "unsupported", f"target(s) missing in vLLM {info.raw_version}: {', '.join(missing)}"
     if spec.probe is not None:

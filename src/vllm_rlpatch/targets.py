@@ -16,7 +16,7 @@ def all_targets() -> list[str]:
     from vllm_rlpatch.patches import ALL_PATCHES
 
     out: list[str] = []
-    for t in [*(t for s in ALL_PATCHES for t in s.targets), config.TARGET, *weights.FRONTEND_TARGETS,
+    for t in [*(t for s in ALL_PATCHES for t in (*s.targets, *s.lazy_targets)), config.TARGET, *weights.FRONTEND_TARGETS,
               *weights.WORKER_TARGETS, *explicit.TARGETS]:
         if t not in out:
             out.append(t)

@@ -229,18 +229,39 @@ def _worker_update_methods() -> tuple[str, ...]:
     return ("update_weights",) if hasattr(Worker, "update_weights") else ()
 
 
-def install() -> None:
-    global _UPDATE_METHODS
-    _UPDATE_METHODS = _frontend_update_methods()
-    _wrapping.wrap(FRONTEND_TARGETS[0], _sync_rpc_wrapper, OWNER)
-    _wrapping.wrap(FRONTEND_TARGETS[1], _async_rpc_wrapper, OWNER)
+_active = False
+
+
+def _install_worker_hooks(module: Any = None) -> None:
+    """Wrap the worker side; runs when ``vllm.v1.worker.gpu_worker`` is imported (at once if it is)."""
+    if not _active:
+        return  # reverted before the worker module was imported
+    missing = [t for t in WORKER_TARGETS if not _wrapping.target_exists(t)]
+    if missing:
+        logger.warning("vllm-rlpatch: weight_events: worker target(s) missing (%s); worker-side weight events "
+                       "are off in this process", ", ".join(missing))
+        return
     _wrapping.wrap(f"{WORKER}.reload_weights", _worker_update_wrapper("reload_weights"), OWNER)
     for m in _worker_update_methods():
         _wrapping.wrap(f"{WORKER}.{m}", _worker_update_wrapper(m), OWNER)
     _wrapping.wrap(f"{WORKER}.load_model", _load_model_wrapper, OWNER)
 
 
+def install() -> None:
+    global _UPDATE_METHODS, _active
+    from vllm_rlpatch._startup import when_imported
+
+    _UPDATE_METHODS = _frontend_update_methods()
+    _wrapping.wrap(FRONTEND_TARGETS[0], _sync_rpc_wrapper, OWNER)
+    _wrapping.wrap(FRONTEND_TARGETS[1], _async_rpc_wrapper, OWNER)
+    _active = True
+    # The worker module costs ~1.7 s to import; process 0 and the engine core never need it.
+    when_imported(WORKER.partition(":")[0], _install_worker_hooks)
+
+
 def uninstall() -> None:
+    global _active
+    _active = False
     for t in FRONTEND_TARGETS:
         _wrapping.unwrap(t, OWNER)
     for m in ("reload_weights", "load_model", "finish_weight_update", "update_weights"):
