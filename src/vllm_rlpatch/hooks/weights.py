@@ -123,12 +123,17 @@ def _frontend_update_methods() -> frozenset[str]:
     return frozenset({"reload_weights", "update_weights"})  # 0.20: each update_weights is complete
 
 
-_UPDATE_METHODS: frozenset[str] = frozenset()
+_UPDATE_METHODS: frozenset[str] | None = None  # decided on first RPC (importing LLM early costs time)
 
 
 def _is_update(args, kwargs) -> str | None:
+    global _UPDATE_METHODS
     method = args[0] if args else kwargs.get("method")
-    return method if isinstance(method, str) and method in _UPDATE_METHODS else None
+    if not isinstance(method, str):
+        return None
+    if _UPDATE_METHODS is None:
+        _UPDATE_METHODS = _frontend_update_methods()
+    return method if method in _UPDATE_METHODS else None
 
 
 def _sync_rpc_wrapper(wrapped, instance, args, kwargs):
@@ -247,15 +252,27 @@ def _install_worker_hooks(module: Any = None) -> None:
     _wrapping.wrap(f"{WORKER}.load_model", _load_model_wrapper, OWNER)
 
 
+def _install_frontend_hook(target: str, wrapper) -> Callable[[Any], None]:
+    def hook(module: Any = None) -> None:
+        if not _active:
+            return
+        if not _wrapping.target_exists(target):
+            logger.warning("vllm-rlpatch: weight_events: %s missing; its weight events are off", target)
+            return
+        _wrapping.wrap(target, wrapper, OWNER)
+
+    return hook
+
+
 def install() -> None:
-    global _UPDATE_METHODS, _active
+    """Wrap each side when vLLM imports it (at once if it already has): the plugin imports none of these
+    modules itself. The worker module alone costs ~1.7 s to import, in processes that never run a worker."""
+    global _active
     from vllm_rlpatch._startup import when_imported
 
-    _UPDATE_METHODS = _frontend_update_methods()
-    _wrapping.wrap(FRONTEND_TARGETS[0], _sync_rpc_wrapper, OWNER)
-    _wrapping.wrap(FRONTEND_TARGETS[1], _async_rpc_wrapper, OWNER)
     _active = True
-    # The worker module costs ~1.7 s to import; process 0 and the engine core never need it.
+    when_imported(FRONTEND_TARGETS[0].partition(":")[0], _install_frontend_hook(FRONTEND_TARGETS[0], _sync_rpc_wrapper))
+    when_imported(FRONTEND_TARGETS[1].partition(":")[0], _install_frontend_hook(FRONTEND_TARGETS[1], _async_rpc_wrapper))
     when_imported(WORKER.partition(":")[0], _install_worker_hooks)
 
 

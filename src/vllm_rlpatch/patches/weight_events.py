@@ -5,8 +5,8 @@ Why:   vLLM has no notion of "the weights changed": nothing downstream (prefix c
 How:   wraps ``LLMEngine.collective_rpc`` / ``AsyncLLM.collective_rpc`` in process 0 (reload_weights;
        finish_weight_update on 0.25+; update_weights on 0.20) and, in each worker,
        ``Worker.reload_weights``, the native update method and the model's ``load_weights`` (nested calls
-       count once). The worker side is wrapped when vLLM imports the worker module (the plugin never
-       imports it: 1.7 s in a process that does not need it). See :mod:`vllm_rlpatch.hooks.weights`.
+       count once). Each side is wrapped when vLLM imports its module (the plugin imports none of
+       them: the worker module alone takes 1.7 s to import in a process that never runs a worker). See :mod:`vllm_rlpatch.hooks.weights`.
 Targets: vllm.v1.engine.llm_engine.LLMEngine.collective_rpc, vllm.v1.engine.async_llm.AsyncLLM.collective_rpc,
        vllm.v1.worker.gpu_worker.Worker.{reload_weights, load_model, update_weights|finish_weight_update}.
 Upstream: vLLM 0.32 has a user-set ``weight_version`` string (``update_weight_version``), not an event
@@ -21,8 +21,8 @@ SPEC = PatchSpec(
     name="weight_events",
     summary="Weight-update event + per-engine weight-version counter on every update path",
     vllm=">=0.20",
-    targets=weights.FRONTEND_TARGETS,
-    lazy_targets=weights.WORKER_TARGETS,
+    targets=(),
+    lazy_targets=(*weights.FRONTEND_TARGETS, *weights.WORKER_TARGETS),
     apply=weights.install,
     revert=weights.uninstall,
     upstream="not reported upstream (0.32 has only a user-set weight_version string)",
