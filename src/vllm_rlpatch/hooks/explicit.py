@@ -45,7 +45,6 @@ class Record:
 
 _RECORDS: dict[int, Record] = {}
 _LOCK = threading.Lock()
-_installed_by: set[str] = set()
 
 
 class CliDefault:
@@ -91,9 +90,8 @@ def record_for(instance: Any) -> Record | None:
         return _RECORDS.get(id(instance))
 
 
-@dataclasses.dataclass
 class _Guard(threading.local):
-    depth: int = 0
+    depth = 0  # > 0 while from_cli_args runs: its __init__ call passes every field
 
 
 _CLI = _Guard()
