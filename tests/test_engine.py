@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """A plain vllm.LLM(model) with no extra arguments (only CPU sizing), default start method."""
+    """vllm.LLM(model) with CPU sizing only (dtype, small KV cache, eager), default start method."""
     return run_engine(tmp_path_factory.mktemp("default"), {
         "engine": {"model": model_path()}, "logprobs_probe": True, "reload": True,
         "rpc": ["rlpatch_ping", "rlpatch_weight_version"], "rpc_after_reload": ["rlpatch_weight_version"]})
@@ -53,6 +53,17 @@ def test_summary_from_every_vllm_process(default_run, version):
         assert set(x["applied"].split(",")) == {"weight_events", "worker_extension", "rl_defaults"}
     files = default_run.status_files()
     assert {str(f["pid"]) for f in files} >= pids  # side channel agrees with the log
+
+
+def test_plain_llm_with_no_arguments_loads_the_plugin_everywhere(tmp_path, version):
+    """Exactly what a user writes: vllm.LLM(model), nothing else (no generate: vLLM's default
+    torch.compile on a 2-core CPU can outlast its RPC timeout; the sized engine above samples)."""
+    run = run_engine(tmp_path, {"bare": True, "engine": {"model": model_path()}, "rpc": ["rlpatch_ping"]})
+    r = run.check()
+    assert r["logprobs_mode"] == "processed_logprobs"
+    s = run.summaries()
+    assert len({x["pid"] for x in s}) >= 2 and {"frontend", "engine_core", "worker"} <= {x["role"] for x in s}
+    assert r["rpc:rlpatch_ping"][0]["vllm"] == version
 
 
 def test_logprobs_are_processed_by_default(default_run):

@@ -42,10 +42,13 @@ def main():
     spec = json.loads(sys.argv[1])
     import vllm
 
-    kwargs = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=True,
-                  gpu_memory_utilization=0.5)
-    kwargs.update(spec.get("engine", {}))
-    llm = vllm.LLM(**kwargs)
+    if spec.get("bare"):  # exactly what a user writes: vllm.LLM(model), nothing else
+        llm = vllm.LLM(spec["engine"]["model"])
+    else:
+        kwargs = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=True,
+                      gpu_memory_utilization=0.5)
+        kwargs.update(spec.get("engine", {}))
+        llm = vllm.LLM(**kwargs)
     cfg = llm.llm_engine.vllm_config
     res = {"pid": os.getpid(), "vllm": vllm.__version__,
            "logprobs_mode": str(cfg.model_config.logprobs_mode),
