@@ -42,8 +42,8 @@ def main():
     spec = json.loads(sys.argv[1])
     import vllm
 
-    if spec.get("bare"):  # exactly what a user writes: vllm.LLM(model), nothing else
-        llm = vllm.LLM(spec["engine"]["model"])
+    if spec.get("bare"):  # what a user writes: vllm.LLM(model) (plus what the test machine needs)
+        llm = vllm.LLM(spec["engine"]["model"], **spec.get("bare_kwargs", {}))
     else:
         kwargs = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=True,
                       gpu_memory_utilization=0.5)
