@@ -22,6 +22,18 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
+def amx_sigill_here() -> bool:
+    """vLLM >= 0.32 CPU on a host with AMX: stock vLLM's AMX attention kernel dies with SIGILL unless the
+    process asked for the AMX permission (the plugin's cpu_amx_permission patch does)."""
+    import torch
+    from packaging.version import Version
+
+    if Version(vllm_version().split("+")[0]) < Version("0.32"):
+        return False
+    fn = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(fn and fn())
+
+
 def model_path(name: str = "llama-tiny") -> str:
     from vllm_rlpatch.models import path
 
@@ -63,6 +75,16 @@ def run_engine(tmp_path: Path, spec: dict, timeout: float = 600, **env: str) -> 
     proc = subprocess.run([sys.executable, str(SCRIPTS / "run_engine.py"), json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout, env=e, cwd=str(tmp_path))
     return EngineRun(proc, status_dir)
+
+
+def run_script(script: str, *args: str, cwd=None, timeout: float = 900, **env: str) -> tuple[dict, str]:
+    """Run tests/scripts/SCRIPT in a fresh interpreter; return (its `RESULT {...}` line, stdout+stderr)."""
+    p = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True,
+                       timeout=timeout, env=clean_env(**env), cwd=None if cwd is None else str(cwd))
+    log = p.stdout + p.stderr
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, log[-6000:]
+    return json.loads(lines[-1][7:]), log
 
 
 def run_py(code: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:

@@ -63,8 +63,17 @@ def test_spec_is_declarative_and_documented(spec):
     assert all(":" in t for t in (*spec.targets, *spec.lazy_targets))
 
 
+def _forced(spec):
+    """The spec with its gates lifted (range, fixed_in, probe), so apply/revert is exercised on every
+    version where its targets exist; the gates themselves are tested below."""
+    import dataclasses
+
+    return dataclasses.replace(spec, vllm=">=0", fixed_in=None, probe=None)
+
+
 @pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
 def test_apply_revert_idempotent(spec):
+    spec = _forced(spec)
     before = _unwrapped_state()
     assert not any(before.values())
     originals = _snapshot(spec)
@@ -107,11 +116,38 @@ def test_out_of_range_version_is_unsupported(spec):
 
 
 @pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
+def test_gated_patch_leaves_vllm_untouched(spec):
+    """On this vLLM: a patch that does not apply (range, fixed_in, probe) wraps nothing and says why."""
+    state, reason = registry.decide(spec)
+    if state is None:
+        pytest.skip(f"{spec.name} applies on this vLLM ({reason})")
+    before = _unwrapped_state()
+    st = registry.apply_one(spec)
+    assert st.state == state and st.reason == reason
+    assert {t: _wrapping.is_wrapped(t) for t in before} == before
+
+
+@pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
 def test_fixed_in_retires(spec):
     if spec.fixed_in is None:
         pytest.skip(f"{spec.name}: no upstream fix known (fixed_in=None)")
     info = VllmInfo(Version(spec.fixed_in), spec.fixed_in, "vllm")
     assert registry.apply_one(spec, info).state == "not_needed"
+
+
+def test_mode_toggle_values():
+    from vllm_rlpatch.patches import prefix_cache
+
+    import os
+    for raw, mode in (("salt", "salt"), ("RESET", "reset"), ("off", "off"), ("stock", "stock"), ("1", "salt"),
+                      ("0", "stock")):
+        os.environ["VLLM_RLPATCH_PREFIX_CACHE"] = raw
+        assert prefix_cache.mode() == mode
+        assert prefix_cache.SPEC.enabled_by_env() is (mode != "stock")
+    os.environ["VLLM_RLPATCH_PREFIX_CACHE"] = "stock"
+    st = registry.apply_one(prefix_cache.SPEC)
+    assert st.state == "disabled" and st.reason == "VLLM_RLPATCH_PREFIX_CACHE=stock"
+    del os.environ["VLLM_RLPATCH_PREFIX_CACHE"]
 
 
 def test_status_lists_every_patch_with_a_state_and_reason():

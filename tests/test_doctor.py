@@ -25,8 +25,15 @@ def test_doctor_json_lists_every_patch_with_state_and_reason(version):
     assert rep["entry_point"]["registered"] and rep["entry_point"]["vllm_loads_it"]
     assert rep["startup_hook"]["explicit_args_capture"] is True
     assert [x["name"] for x in rep["patches"]] == [s.name for s in ALL_PATCHES]
+    from vllm_rlpatch import registry
+
     for x in rep["patches"]:
-        assert x["state"] == "applied" and x["reason"]
+        spec = next(s for s in ALL_PATCHES if s.name == x["name"])
+        expected = registry.decide(spec)[0] or "applied"
+        if spec.probe is not None and expected == "applied":  # a probe answers per process
+            assert x["state"] in ("applied", "not_needed"), x
+        else:
+            assert x["state"] == expected and x["reason"], x
 
 
 def test_doctor_model_shows_provenance():
@@ -34,7 +41,15 @@ def test_doctor_model_shows_provenance():
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["setting"]: r for r in json.loads(p.stdout)["engine"]["settings"]}
     assert (rows["logprobs_mode"]["value"], rows["logprobs_mode"]["source"]) == ("processed_logprobs", "plugin")
-    assert rows["dtype"]["source"] == "user" and rows["generation_config"]["source"] == "stock"
+    assert rows["dtype"]["source"] == "user"
+    assert (rows["generation_config"]["value"], rows["generation_config"]["source"]) == ("vllm", "plugin")
+    assert rows["async_scheduling"]["by"] == "rl_defaults"
+    assert (rows["prefix_cache (at updates)"]["value"], rows["prefix_cache (at updates)"]["source"]) == ("salt", "plugin")
+    assert rows["in-flight at updates"]["value"] == "recompute"
+    p = _doctor("--json", "--model", model_path(), VLLM_RLPATCH_PREFIX_CACHE="off", VLLM_RLPATCH_INFLIGHT="keep")
+    rows = {r["setting"]: r for r in json.loads(p.stdout)["engine"]["settings"]}
+    assert (rows["prefix_cache (at updates)"]["value"], rows["prefix_cache (at updates)"]["source"]) == ("off", "user")
+    assert rows["enable_prefix_caching"]["value"] is False and rows["in-flight at updates"]["value"] == "keep"
     p = _doctor("--model", model_path(), "--logprobs-mode", "raw_logprobs")
     assert p.returncode == 0, p.stderr[-3000:]
     line = next(l for l in p.stdout.splitlines() if l.strip().startswith("logprobs_mode"))

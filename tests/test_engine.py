@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import model_path, run_engine
+from conftest import amx_sigill_here, model_path, run_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -23,9 +23,22 @@ def default_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def disabled_run(tmp_path_factory):
+    # On an AMX host stock vLLM 0.32 cannot generate at all (SIGILL; see test_cpu_amx.py): start it only.
     return run_engine(tmp_path_factory.mktemp("disabled"), {
-        "engine": {"model": model_path()}, "logprobs_probe": True, "rpc": ["rlpatch_ping"]},
+        "engine": {"model": model_path()}, "logprobs_probe": not amx_sigill_here(), "rpc": ["rlpatch_ping"]},
         VLLM_RLPATCH_ENABLED="0")
+
+
+def expected_applied(version: str) -> set[str]:
+    from packaging.version import Version
+
+    v = Version(version.split("+")[0])
+    out = {"weight_events", "worker_extension", "rl_defaults", "prefix_cache"}
+    if v < Version("0.22"):
+        out.add("async_preempt_discard")
+    if amx_sigill_here():
+        out.add("cpu_amx_permission")
+    return out
 
 
 def _assert_processed(probe):
@@ -50,7 +63,7 @@ def test_summary_from_every_vllm_process(default_run, version):
     assert {"frontend", "engine_core", "worker"} <= roles, roles
     for x in s:
         assert x["vllm"] == version and x["failed"] == ""
-        assert set(x["applied"].split(",")) == {"weight_events", "worker_extension", "rl_defaults"}
+        assert set(x["applied"].split(",")) == expected_applied(version), x
     files = default_run.status_files()
     assert {str(f["pid"]) for f in files} >= pids  # side channel agrees with the log
 
@@ -93,7 +106,8 @@ def test_weight_update_event_counts_each_reload_once_per_side(default_run):
 def test_kill_switch_gives_stock_vllm_everywhere(disabled_run):
     r = disabled_run.check()
     assert r["logprobs_mode"] == "raw_logprobs" and r["worker_extension_cls"] == ""
-    _assert_raw(r["probe"])
+    if "probe" in r:
+        _assert_raw(r["probe"])
     assert "error" in r["rpc:rlpatch_ping"]
     s = disabled_run.summaries()
     assert len({x["pid"] for x in s}) >= 2

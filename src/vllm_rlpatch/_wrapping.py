@@ -110,3 +110,26 @@ def is_wrapped(path: str, owner: str | None = None) -> bool:
     raw = parent.__dict__.get(attr) if isinstance(parent, type) else getattr(parent, attr, None)
     o = owner_of(raw)
     return o is not None and (owner is None or o == owner)
+
+
+class LazyWrap:
+    """One target wrapped when vLLM imports its module (at once if it already has); for patches whose target
+    module the plugin must not import itself. ``apply``/``revert`` are the patch's, both idempotent."""
+
+    def __init__(self, target: str, wrapper: Callable[..., Any], owner: str) -> None:
+        self.target, self.wrapper, self.owner = target, wrapper, owner
+        self.active = False
+
+    def _install(self, module: Any = None) -> None:
+        if self.active and target_exists(self.target):
+            wrap(self.target, self.wrapper, self.owner)
+
+    def apply(self) -> None:
+        from vllm_rlpatch._startup import when_imported
+
+        self.active = True
+        when_imported(self.target.partition(":")[0], self._install)
+
+    def revert(self) -> None:
+        self.active = False
+        unwrap(self.target, self.owner)

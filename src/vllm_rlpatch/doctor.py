@@ -106,7 +106,42 @@ def engine_settings(model: str, engine_argv: list[str]) -> dict[str, Any]:
             row = {"setting": label, "value": _jsonable(eff), "source": "user" if is_user else "stock",
                    "by": None, "stock": None, "reason": "not touched by the plugin", "detection": how}
         rows.append(row)
+    rows.extend(_engine_core_policies(vllm_config))
     return {"model": model, "engine_args": engine_argv, "settings": rows}
+
+
+def _engine_core_policies(vllm_config: Any) -> list[dict[str, Any]]:
+    """What the engine core will do at a weight update (decided there from the environment and the config)."""
+    from vllm_rlpatch import envs, registry
+    from vllm_rlpatch.patches import prefix_cache
+
+    st = {s.name: s for s in registry.status()}
+    pc = st.get("prefix_cache")
+    on = pc is not None and pc.state == "applied"
+    mode = prefix_cache.mode() if on else "stock"
+    caching = bool(_get_path(vllm_config, "cache_config.enable_prefix_caching"))
+    if on and mode == "off" and caching:
+        mode = "salt"
+    elif on and mode in ("salt", "reset") and not caching:
+        mode = "off"
+    src = "user" if envs.toggle_is_set(prefix_cache.TOGGLE) else ("plugin" if on else "stock")
+    reasons = {"salt": "requests salted with the weight version: no KV of older weights is ever reused",
+               "reset": "prefix cache reset at every weight update (refused resets retried, salted meanwhile)",
+               "off": "no prefix caching: nothing is reused", "stock": "vLLM's behaviour: KV of older weights "
+               "can be reused after an update" + ("" if on else f" (prefix_cache {pc.state if pc else '?'})")}
+    inflight = envs.INFLIGHT.get() if on else "keep (vLLM, unreported)"
+    return [
+        {"setting": "prefix_cache (at updates)", "value": mode, "source": src, "by": "prefix_cache",
+         "stock": "stock", "reason": reasons[mode], "detection": "VLLM_RLPATCH_PREFIX_CACHE"},
+        {"setting": "in-flight at updates", "value": inflight,
+         "source": "user" if envs.toggle_is_set(envs.INFLIGHT) else ("plugin" if on else "stock"),
+         "by": "prefix_cache", "stock": "keep", "reason": "requests running when the weights change",
+         "detection": "VLLM_RLPATCH_INFLIGHT"},
+    ]
+
+
+TRAINER_NOTE = ("trainer side: compute the reference logprobs with the same sampling transform (temperature, "
+                "top-k/top-p) the rollouts used - processed_logprobs are that distribution's")
 
 
 def collect(model: str | None = None, engine_argv: list[str] | None = None) -> dict[str, Any]:
@@ -138,6 +173,7 @@ def collect(model: str | None = None, engine_argv: list[str] | None = None) -> d
         "env": {"warnings": env_warnings,
                 "set": {k: v for k, v in os.environ.items() if k.startswith(envs.PREFIX)}},
         "patches": [s.as_dict() for s in registry.status()],
+        "notes": [TRAINER_NOTE],
     }
     if model is not None:
         report["engine"] = engine_settings(model, engine_argv or [])
@@ -158,18 +194,20 @@ def render(report: dict[str, Any]) -> str:
     for w in report["env"]["warnings"]:
         lines.append(f"  WARNING  {w}")
     lines.append("")
-    lines.append(f"  {'patch':<18} {'state':<12} reason")
+    lines.append(f"  {'patch':<22} {'state':<12} reason")
     for p in report["patches"]:
-        lines.append(f"  {p['name']:<18} {p['state']:<12} {p['reason']}")
+        lines.append(f"  {p['name']:<22} {p['state']:<12} {p['reason']}")
+    for n in report.get("notes", []):
+        lines.append(f"  note: {n}")
     eng = report.get("engine")
     if eng:
         lines.append("")
         lines.append(f"  engine settings for {eng['model']} {' '.join(eng['engine_args'])}".rstrip())
-        lines.append(f"  {'setting':<22} {'value':<48} {'source':<7} reason")
+        lines.append(f"  {'setting':<26} {'value':<48} {'source':<7} reason")
         for r in eng["settings"]:
             val = str(r["value"])
             val = val if len(val) <= 48 else val[:45] + "..."
-            lines.append(f"  {r['setting']:<22} {val:<48} {r['source']:<7} {r['reason']}")
+            lines.append(f"  {r['setting']:<26} {val:<48} {r['source']:<7} {r['reason']}")
     return "\n".join(lines)
 
 

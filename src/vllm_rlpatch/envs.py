@@ -91,7 +91,16 @@ STATUS_DIR = EnvVar(
     "each patch's state (a side channel for launchers and tests).",
 )
 
-GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, STRICT, LOG_LEVEL, STATUS_DIR)
+INFLIGHT_MODES = ("recompute", "abort", "keep", "refuse")
+INFLIGHT = EnvVar(
+    PREFIX + "INFLIGHT", _choice(*INFLIGHT_MODES), "recompute",
+    "What happens to requests running when the weights change (needs `prefix_cache` on): `recompute` "
+    "(default: they are preempted and their KV is rebuilt with the new weights, generation goes on), "
+    "`abort` (they finish with finish_reason `abort`), `keep` (they go on with the KV of the old weights; "
+    "their version spans report it), `refuse` (an update RPC vLLM knows is refused while requests run).",
+)
+
+GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, STRICT, LOG_LEVEL, STATUS_DIR, INFLIGHT)
 
 
 def patch_toggle(patch_name: str, default: bool) -> EnvVar:
@@ -101,6 +110,28 @@ def patch_toggle(patch_name: str, default: bool) -> EnvVar:
     )
 
 
+def mode_toggle(patch_name: str, choices: tuple[str, ...], default: str, off: str, doc: str,
+                aliases: dict[str, str] | None = None) -> EnvVar:
+    """A patch toggle that takes a mode instead of 1/0; ``off`` is the mode that disables the patch.
+    ``aliases`` maps extra spellings (e.g. ``0``/``1``) to modes."""
+    aliases = dict(aliases or {})
+    base = _choice(*choices, *aliases)
+
+    def parse(name: str, raw: str) -> str:
+        v = base(name, raw)
+        return aliases.get(v, v)
+
+    parse.choices = choices  # type: ignore[attr-defined]
+    parse.off = off  # type: ignore[attr-defined]
+    return EnvVar(PREFIX + patch_name.upper(), parse, default, doc)
+
+
+def is_off(var: EnvVar, value: Any) -> bool:
+    """Is ``value`` (what ``var.get()`` returned) the patch-disabling value of this toggle?"""
+    off = getattr(var.parser, "off", None)
+    return (value == off) if off is not None else not value
+
+
 def toggle_is_set(var: EnvVar) -> bool:
     return var.name in os.environ
 
@@ -108,7 +139,7 @@ def toggle_is_set(var: EnvVar) -> bool:
 def all_vars() -> list[EnvVar]:
     from vllm_rlpatch.patches import ALL_PATCHES
 
-    return [*GLOBAL_VARS, *(patch_toggle(s.name, s.default) for s in ALL_PATCHES)]
+    return [*GLOBAL_VARS, *(s.env for s in ALL_PATCHES)]
 
 
 def known_names() -> list[str]:

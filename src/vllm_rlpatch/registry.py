@@ -21,6 +21,7 @@ Decision order for one patch (first match wins):
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
@@ -72,10 +73,16 @@ class PatchSpec:
     # Targets in modules the plugin must not import itself (e.g. the worker module, 1.7 s to import, in
     # process 0): checked here only if their module is already loaded, otherwise by the patch when it is.
     lazy_targets: tuple[str, ...] = ()
+    # A toggle that takes a mode instead of 1/0 (``envs.mode_toggle``); its ``off`` mode disables the patch.
+    toggle: envs.EnvVar | None = None
 
     @property
     def env(self) -> envs.EnvVar:
-        return envs.patch_toggle(self.name, self.default)
+        return self.toggle if self.toggle is not None else envs.patch_toggle(self.name, self.default)
+
+    def enabled_by_env(self) -> bool:
+        toggle = self.env
+        return not envs.is_off(toggle, toggle.get())
 
     @property
     def specifier(self) -> SpecifierSet:
@@ -123,8 +130,9 @@ def decide(spec: PatchSpec, info: VllmInfo | None = None) -> tuple[str | None, s
     if not envs.ENABLED.get():
         return "disabled", "VLLM_RLPATCH_ENABLED=0"
     toggle = spec.env
-    if not toggle.get():
-        how = f"{toggle.name}=0" if envs.toggle_is_set(toggle) else f"off by default (set {toggle.name}=1)"
+    if not spec.enabled_by_env():
+        how = (f"{toggle.name}={os.environ[toggle.name]}" if envs.toggle_is_set(toggle)
+               else f"off by default (set {toggle.name}=1)")
         return "disabled", how
     if not info.installed:
         return "unsupported", "vLLM is not importable in this environment"
@@ -156,8 +164,7 @@ def decide(spec: PatchSpec, info: VllmInfo | None = None) -> tuple[str | None, s
 
 
 def _strict_for(spec: PatchSpec) -> bool:
-    toggle = spec.env
-    return envs.STRICT.get() or (envs.toggle_is_set(toggle) and toggle.get())
+    return envs.STRICT.get() or (envs.toggle_is_set(spec.env) and spec.enabled_by_env())
 
 
 def apply_one(spec: PatchSpec, info: VllmInfo | None = None) -> PatchStatus:

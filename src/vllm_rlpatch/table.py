@@ -7,8 +7,15 @@ def rows() -> list[dict[str, str]]:
     from vllm_rlpatch.patches import ALL_PATCHES
 
     return [{"name": s.name, "summary": s.summary, "vllm": s.vllm, "fixed_in": s.fixed_in or "—",
-             "toggle": f"{s.env.name} (default {'on' if s.default else 'off'})", "upstream": s.upstream}
+             "toggle": _toggle(s), "upstream": s.upstream}
             for s in ALL_PATCHES]
+
+
+def _toggle(spec) -> str:
+    choices = getattr(spec.env.parser, "choices", None)
+    if spec.toggle is not None and choices:
+        return f"{spec.env.name}={'|'.join(choices)} (default {spec.env.default})"
+    return f"{spec.env.name} (default {'on' if spec.default else 'off'})"
 
 
 def markdown() -> str:

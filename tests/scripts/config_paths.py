@@ -1,7 +1,8 @@
 """Build an engine config through one of vLLM's three entry points, without starting an engine.
 
     python config_paths.py MODE MODEL [extra CLI args...]
-MODE[,MODE...]: engine_args | async_engine_args | cli  (suffix ":raw" passes logprobs_mode=raw_logprobs explicitly)
+MODE[,MODE...]: engine_args | async_engine_args | cli, optionally with ":FLAG+FLAG" passed explicitly:
+  raw  logprobs_mode=raw_logprobs     auto  generation_config=auto     pc  enable_prefix_caching=True
 Prints `RESULT {...}` with the effective settings and, if the plugin is active, their provenance.
 """
 
@@ -17,10 +18,17 @@ def main():
 
 def one(mode, model):
     base, _, variant = mode.partition(":")
+    flags = set(variant.split("+")) if variant else set()
     import vllm
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
-    kw = {"logprobs_mode": "raw_logprobs"} if variant == "raw" else {}
+    kw = {}
+    if "raw" in flags:
+        kw["logprobs_mode"] = "raw_logprobs"
+    if "auto" in flags:
+        kw["generation_config"] = "auto"
+    if "pc" in flags:
+        kw["enable_prefix_caching"] = True
     common = dict(dtype="bfloat16", max_model_len=256)
     if base == "engine_args":  # what vllm.LLM(...) builds from its kwargs
         ea = EngineArgs(model=model, **common, **kw)
@@ -34,8 +42,12 @@ def one(mode, model):
         sub = parser.add_subparsers(dest="subparser")
         ServeSubcommand().subparser_init(sub)
         argv = ["serve", model, "--dtype", "bfloat16", "--max-model-len", "256"]
-        if variant == "raw":
+        if "raw" in flags:
             argv += ["--logprobs-mode", "raw_logprobs"]
+        if "auto" in flags:
+            argv += ["--generation-config", "auto"]
+        if "pc" in flags:
+            argv += ["--enable-prefix-caching"]
         args = parser.parse_args(argv + sys.argv[3:])
         if getattr(args, "model_tag", None):
             args.model = args.model_tag
@@ -45,6 +57,10 @@ def one(mode, model):
     cfg = ea.create_engine_config()
     res = {"mode": mode, "vllm": vllm.__version__, "type": type(ea).__name__,
            "logprobs_mode": str(cfg.model_config.logprobs_mode),
+           "generation_config": cfg.model_config.generation_config,
+           "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+           "async_scheduling": cfg.scheduler_config.async_scheduling,
+           "default_sampling": cfg.model_config.get_diff_sampling_param(),
            "worker_extension_cls": cfg.parallel_config.worker_extension_cls}
     try:
         from vllm_rlpatch.hooks import config as config_hook

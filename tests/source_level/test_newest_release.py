@@ -11,7 +11,7 @@ import pytest
 
 from vllm_rlpatch.targets import all_targets, resolve_in_source
 
-NEWEST = os.environ.get("VLLM_RLPATCH_TEST_NEWEST_VLLM", "0.33.0")
+NEWEST = os.environ.get("VLLM_RLPATCH_TEST_NEWEST_VLLM", "0.34.0")
 CACHE = Path(os.environ.get("VLLM_RLPATCH_ENV_CACHE", Path.home() / ".cache" / "vllm-rlpatch" / "envs")).parent / "src"
 
 

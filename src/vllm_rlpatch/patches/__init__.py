@@ -1,11 +1,21 @@
 """All patch specs, in application order. Adding a patch = one module ending in ``SPEC`` + one line here."""
 
-from vllm_rlpatch.patches import rl_defaults, weight_events, worker_extension
+from vllm_rlpatch.patches import (
+    async_preempt_discard,
+    cpu_amx_permission,
+    prefix_cache,
+    rl_defaults,
+    weight_events,
+    worker_extension,
+)
 
 ALL_PATCHES = (
+    cpu_amx_permission.SPEC,
     weight_events.SPEC,
     worker_extension.SPEC,
     rl_defaults.SPEC,
+    prefix_cache.SPEC,
+    async_preempt_discard.SPEC,
 )
 
 BY_NAME = {s.name: s for s in ALL_PATCHES}

@@ -1,0 +1,603 @@
+"""The engine-core side of a weight update: detect it on every path, count it, stamp outputs with it.
+
+vLLM's scheduler (and with it the prefix cache and every running request's KV) lives in the engine core
+(a process of its own, or process 0 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). This hook gives each
+``EngineCore`` a :class:`Guard` that
+
+* **detects** weight updates whatever their path: every ``collective_rpc`` a client sends passes
+  ``EngineCore.collective_rpc``; afterwards the guard compares the workers' weight version (counted by
+  :mod:`vllm_rlpatch.hooks.weights` in each worker, so ``reload_weights``, the native update API and a
+  trainer's direct ``model.load_weights`` all count). In-process workers (the uniproc executor) report
+  through the weight-event listener at no cost; other executors are asked with one extra
+  ``collective_rpc("rlpatch_weight_version")`` after an RPC the guard cannot classify by name. A
+  trainer that loads weights into an in-process worker without any RPC (TRL-style colocation) is seen by
+  the listener as well.
+* **counts** them: ``guard.version`` is the engine's weight version (0 = the weights it started with).
+* **stamps** outputs: the version current when a batch was *scheduled* (so async scheduling's batch in
+  flight is attributed to the weights it ran with) and the version the request's KV was computed
+  under travel to the front end inside ``EngineCoreOutput.kv_transfer_params`` (key
+  :data:`TAG_KEY`, only when they change for a request), where :func:`_process_outputs_wrapper` pops
+  them before vLLM sees them and every ``CompletionOutput`` gets ``rlpatch_weight_versions``: a list of
+  :class:`VersionSpan` over its output-token indexes.
+* **notifies** policies (:func:`add_policy`): the ``prefix_cache`` patch decides what happens to the
+  prefix cache and to running requests; it also salts requests (:meth:`Guard.salt_key`).
+
+One owner wraps these targets (no patch wraps them itself); patches say they need the hook with
+:func:`require` / :func:`release`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Callable, NamedTuple
+
+from vllm_rlpatch import _wrapping
+
+logger = logging.getLogger("vllm.rlpatch")
+
+OWNER = "engine_core_hook"
+CORE = "vllm.v1.engine.core"
+SCHED = "vllm.v1.core.sched.scheduler"
+OUTPUTS = "vllm.v1.engine.output_processor"
+TAG_KEY = "__vllm_rlpatch__"
+
+CORE_TARGETS = (
+    f"{CORE}:EngineCore.collective_rpc",
+    f"{CORE}:EngineCore.preprocess_add_request",
+    f"{CORE}:EngineCore.add_request",
+    f"{CORE}:EngineCore.step",
+    f"{CORE}:EngineCore.step_with_batch_queue",
+)
+SCHED_TARGETS = (
+    f"{SCHED}:Scheduler.schedule",
+    f"{SCHED}:Scheduler.update_from_output",
+    f"{SCHED}:Scheduler._preempt_request",
+)
+FRONTEND_TARGETS = (
+    f"{OUTPUTS}:OutputProcessor.process_outputs",
+    f"{OUTPUTS}:RequestState._new_completion_output",
+)
+TARGETS = CORE_TARGETS + SCHED_TARGETS + FRONTEND_TARGETS
+
+# RPCs that never change weights (ours, and vLLM's own read-only ones): no worker-version check after them.
+_READ_ONLY = frozenset({"rlpatch_ping", "rlpatch_status", "rlpatch_weight_version", "get_model", "check_health",
+                        "get_kv_cache_spec", "determine_available_memory", "get_supported_tasks", "list_loras",
+                        "get_cache_block_size_bytes", "is_sleeping"})
+
+
+def update_method_names() -> frozenset[str]:
+    """RPC names vLLM itself uses for a complete weight update (the name-only fallback, and ``refuse``)."""
+    from packaging.version import Version
+
+    from vllm_rlpatch.versions import vllm_info
+
+    info = vllm_info()
+    if info.installed and info.release < Version("0.25"):
+        return frozenset({"reload_weights", "update_weights"})  # 0.20: each update_weights is complete
+    return frozenset({"reload_weights", "finish_weight_update"})  # 0.25+: start/update/finish sessions
+
+
+def starts_update(method: str) -> bool:
+    """Would this RPC start writing weights (used to refuse it before anything is written)?"""
+    return method in update_method_names() or method in ("start_weight_update", "update_weights")
+
+
+class VersionSpan(NamedTuple):
+    """Output tokens ``[start, end)`` were sampled with weight version ``version``; their KV (prompt and
+    earlier tokens included) was computed with ``kv_version``. ``kv_version < version`` means the tokens
+    attended to KV of older weights (in-flight ``keep``): the mixing is reported, never hidden."""
+
+    start: int
+    end: int
+    version: int
+    kv_version: int
+
+    @property
+    def mixed(self) -> bool:
+        return self.kv_version != self.version
+
+
+@dataclasses.dataclass
+class UpdateInfo:
+    version: int
+    previous: int
+    source: str  # what revealed it: an RPC name, "worker event", ...
+    running: int  # requests running when it was seen
+    waiting: int
+
+
+@dataclasses.dataclass
+class Policy:
+    """What a patch does around an update (run in the engine core's main thread, between steps)."""
+
+    name: str
+    before_rpc: Callable[["Guard", str], None] | None = None  # may raise to refuse an update
+    on_update: Callable[["Guard", UpdateInfo], None] | None = None
+    before_schedule: Callable[["Guard"], None] | None = None
+    salt_key: Callable[["Guard"], str | None] | None = None  # key that salts new computation, None = no salt
+
+
+_LOCK = threading.RLock()
+_USERS: set[str] = set()
+_POLICIES: dict[str, Policy] = {}
+_GUARDS: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
+_BY_SCHEDULER: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
+_BY_WORKER: "weakref.WeakValueDictionary[int, Guard]" = weakref.WeakValueDictionary()
+_active = False
+_unsubscribe: Callable[[], None] | None = None
+
+
+class _Tls(threading.local):
+    rpc_guard: "Guard | None" = None
+    local_event: bool = False
+
+
+_TLS = _Tls()
+
+
+class Guard:
+    """Per-``EngineCore`` state. Touched from the engine core's main thread, except :meth:`salt_key` (read
+    from vLLM's input thread too)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core_ref = weakref.ref(core)
+        self.scheduler = getattr(core, "scheduler", None)
+        self.version = 0
+        self.worker_version = 0
+        self.kv_version: dict[str, int] = {}  # request id -> version its KV is computed with
+        self._last_tag: dict[str, tuple[int, int]] = {}
+        self.pending_aborts: list[Any] = []  # in-process engine core: finish outputs to deliver
+        self.state: dict[str, Any] = {}  # for policies
+        self.updates = 0
+        self._outputs_seen = 0
+        self.in_process_worker = self._local_worker(core)
+        self.can_query = True
+        if self.in_process_worker is not None:
+            from vllm_rlpatch.hooks import weights
+
+            _BY_WORKER[id(self.in_process_worker)] = self
+            # Workers in other processes start at 0 and change only through an RPC that passes this
+            # guard; an in-process worker may have been loaded into before the guard existed.
+            self.version = self.worker_version = weights.weight_version(self.in_process_worker)
+
+    @staticmethod
+    def _local_worker(core: Any) -> Any:
+        ex = getattr(core, "model_executor", None)
+        wrapper = getattr(ex, "driver_worker", None)
+        try:
+            from vllm.v1.executor.uniproc_executor import UniProcExecutor
+        except ImportError:
+            return None
+        if isinstance(ex, UniProcExecutor) and wrapper is not None:
+            return getattr(wrapper, "worker", None)
+        return None
+
+    @property
+    def core(self) -> Any:
+        return self.core_ref()
+
+    # ------------------------------------------------------------------ salting
+    def salt_key(self) -> str | None:
+        for p in _policies():
+            if p.salt_key is not None:
+                key = p.salt_key(self)
+                if key is not None:
+                    return key
+        return None
+
+    def salt(self, request: Any, *, rehash: bool) -> None:
+        """Salt ``request`` (a scheduler ``Request``) for computation starting now; rehash its blocks."""
+        key = self.salt_key()
+        if getattr(request, "_rlpatch_salt_key", None) == key:
+            return
+        user = getattr(request, "_rlpatch_user_salt", _MISSING)
+        if user is _MISSING:
+            user = getattr(request, "cache_salt", None)
+            _set(request, "_rlpatch_user_salt", user)
+        request.cache_salt = combine_salt(user, key)
+        _set(request, "_rlpatch_salt_key", key)
+        if rehash and hasattr(request, "update_block_hashes"):
+            del request.block_hashes[:]
+            request.update_block_hashes()
+
+    # ------------------------------------------------------------------ update
+    def running(self) -> list[Any]:
+        return list(getattr(self.scheduler, "running", []) or [])
+
+    def waiting(self) -> list[Any]:
+        out = []
+        for name in ("waiting", "skipped_waiting"):
+            q = getattr(self.scheduler, name, None)
+            if q is not None:
+                out.extend(q)
+        return out
+
+    def updated(self, source: str, new_worker_version: int | None = None) -> UpdateInfo:
+        prev = self.version
+        self.version += 1
+        self.updates += 1
+        if new_worker_version is not None:
+            self.worker_version = max(self.worker_version, new_worker_version)
+            self.version = max(self.version, self.worker_version)  # one RPC may hold several updates
+        info = UpdateInfo(self.version, prev, source, len(self.running()), len(self.waiting()))
+        logger.info("vllm-rlpatch: engine core: weights changed (%s) -> weight version %d (%d running, %d waiting)",
+                    source, self.version, info.running, info.waiting)
+        for p in _policies():
+            if p.on_update is not None:
+                try:
+                    p.on_update(self, info)
+                except Exception:
+                    logger.exception("vllm-rlpatch: policy %s failed after weight update #%d", p.name, info.version)
+        # Requests that have not computed anything yet will compute with the new weights.
+        for req in self.waiting():
+            if getattr(req, "num_computed_tokens", 1) == 0:
+                self.kv_version[req.request_id] = self.version
+        return info
+
+    def check_workers(self, method: str) -> None:
+        """After an RPC: did the workers' weight version move?"""
+        if self.in_process_worker is not None:
+            from vllm_rlpatch.hooks import weights
+
+            v = weights.weight_version(self.in_process_worker)
+            if v > self.worker_version:
+                self.updated(f"collective_rpc:{method}", v)
+            return
+        if not self.can_query:
+            if method in update_method_names():
+                self.updated(f"collective_rpc:{method}")
+            return
+        core = self.core
+        try:
+            versions = core.model_executor.collective_rpc("rlpatch_weight_version")
+        except Exception as e:  # no rlpatch worker extension in this engine
+            self.can_query = False
+            logger.warning("vllm-rlpatch: cannot read the workers' weight version (%s: %s); weight updates are "
+                           "then recognised by RPC name only (reload_weights, update_weights, "
+                           "finish_weight_update)", type(e).__name__, e)
+            return
+        v = max((int(x) for x in versions if isinstance(x, int)), default=0)
+        if v > self.worker_version:
+            self.updated(f"collective_rpc:{method}", v)
+
+    # ------------------------------------------------------------------ outputs
+    def tag_outputs(self, version: int, outputs: dict[int, Any]) -> None:
+        last = self._last_tag
+        kv = self.kv_version
+        for eco in outputs.values():
+            for o in getattr(eco, "outputs", ()) or ():
+                rid = o.request_id
+                if o.new_token_ids:
+                    tag = (version, kv.get(rid, version))
+                    if last.get(rid) != tag:
+                        last[rid] = tag
+                        params = o.kv_transfer_params
+                        if params is None:
+                            o.kv_transfer_params = {TAG_KEY: tag}
+                        else:
+                            params[TAG_KEY] = tag
+                if o.finish_reason is not None:
+                    last.pop(rid, None)
+                    kv.pop(rid, None)
+        self._outputs_seen += 1
+        if self._outputs_seen % 2048 == 0:  # requests aborted by clients produce no final output
+            live = getattr(self.scheduler, "requests", None)
+            if isinstance(live, dict):
+                for d in (last, kv):
+                    for rid in [r for r in d if r not in live]:
+                        d.pop(rid, None)
+
+    # ------------------------------------------------------------------ abort
+    def abort_running(self, reason: str) -> list[str]:
+        from vllm.v1.request import RequestStatus
+
+        ids = [r.request_id for r in self.running()]
+        if not ids:
+            return []
+        aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        core = self.core
+        send = getattr(core, "_send_abort_outputs", None)
+        if callable(send) and getattr(core, "output_queue", None) is not None:
+            send(aborted)
+        else:  # in-process engine core: hand the finish outputs to the next step's result
+            for item in aborted or ():
+                rid, client = (item.request_id, item.client_index) if hasattr(item, "request_id") else item
+                self.pending_aborts.append((client, rid))
+        for rid in ids:
+            self.kv_version.pop(rid, None)
+            self._last_tag.pop(rid, None)
+        logger.info("vllm-rlpatch: aborted %d running request(s): %s", len(ids), reason)
+        return ids
+
+
+_MISSING = object()
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def combine_salt(user: str | None, key: str | None) -> str | None:
+    """The salt a request gets: the user's own salt (kept) plus the plugin's key, or either alone."""
+    if key is None:
+        return user
+    return f"{user}\x1f{key}" if user else key
+
+
+def _policies() -> list[Policy]:
+    with _LOCK:
+        return list(_POLICIES.values())
+
+
+def guard_for(core: Any, create: bool = True) -> Guard | None:
+    g = _GUARDS.get(core)
+    if g is None and create:
+        with _LOCK:
+            g = _GUARDS.get(core)
+            if g is None:
+                g = Guard(core)
+                _GUARDS[core] = g
+                if g.scheduler is not None:
+                    _BY_SCHEDULER[g.scheduler] = g
+    return g
+
+
+def guards() -> list[Guard]:
+    with _LOCK:
+        return list(_GUARDS.values())
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+def _rpc_name(args, kwargs) -> str:
+    method = args[0] if args else kwargs.get("method")
+    return method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
+
+
+def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
+    method = _rpc_name(args, kwargs)
+    if method in _READ_ONLY:
+        return wrapped(*args, **kwargs)
+    g = guard_for(instance)
+    for p in _policies():
+        if p.before_rpc is not None:
+            p.before_rpc(g, method)
+    outer = _TLS.rpc_guard
+    _TLS.rpc_guard = g
+    _TLS.local_event = False
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        _TLS.rpc_guard = outer
+    try:
+        g.check_workers(method)
+    except Exception:
+        logger.exception("vllm-rlpatch: weight-version check after collective_rpc(%r) failed", method)
+    return result
+
+
+def _preprocess_wrapper(wrapped, instance, args, kwargs):
+    """Salt the EngineCoreRequest before vLLM hashes its prompt blocks (runs in vLLM's input thread)."""
+    g = guard_for(instance)
+    request = args[0] if args else kwargs.get("request")
+    user = getattr(request, "cache_salt", None)
+    key = g.salt_key()
+    if key is not None and request is not None:
+        request.cache_salt = combine_salt(user, key)
+    result = wrapped(*args, **kwargs)
+    req = result[0] if isinstance(result, tuple) else result
+    if req is not None and hasattr(req, "request_id"):
+        _set(req, "_rlpatch_user_salt", user)
+        _set(req, "_rlpatch_salt_key", key)
+    return result
+
+
+def _add_request_wrapper(wrapped, instance, args, kwargs):
+    g = guard_for(instance)
+    req = args[0] if args else kwargs.get("request")
+    if req is not None and hasattr(req, "request_id"):
+        if hasattr(req, "block_hashes"):
+            # The input thread salted it with the key current then; an update may have landed since.
+            if getattr(req, "_rlpatch_salt_key", None) != g.salt_key():
+                g.salt(req, rehash=True)
+        g.kv_version[req.request_id] = g.version
+    return wrapped(*args, **kwargs)
+
+
+def _inject_pending_aborts(g: Guard, outputs: Any) -> Any:
+    if not g.pending_aborts:
+        return outputs
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    pending, g.pending_aborts = g.pending_aborts, []
+    outputs = dict(outputs or {})
+    for client, rid in pending:
+        eco = outputs.get(client)
+        if eco is None:
+            eco = outputs[client] = EngineCoreOutputs()
+        eco.outputs = [*(eco.outputs or []), EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT)]
+        eco.finished_requests = {*(eco.finished_requests or ()), rid}
+    return outputs
+
+
+def _step_wrapper(wrapped, instance, args, kwargs):
+    outputs, executed = wrapped(*args, **kwargs)
+    g = _GUARDS.get(instance)
+    if g is not None and g.pending_aborts:
+        outputs = _inject_pending_aborts(g, outputs)
+    return outputs, executed
+
+
+def _schedule_wrapper(wrapped, instance, args, kwargs):
+    g = _BY_SCHEDULER.get(instance)
+    if g is not None:
+        for p in _policies():
+            if p.before_schedule is not None:
+                p.before_schedule(g)
+    out = wrapped(*args, **kwargs)
+    if g is not None:
+        try:
+            out._rlpatch_version = g.version  # the weights this batch runs with
+        except AttributeError:
+            pass
+    return out
+
+
+def _update_from_output_wrapper(wrapped, instance, args, kwargs):
+    outputs = wrapped(*args, **kwargs)
+    g = _BY_SCHEDULER.get(instance)
+    if g is not None and outputs and "weight_events" in _USERS:
+        so = args[0] if args else kwargs.get("scheduler_output")
+        g.tag_outputs(getattr(so, "_rlpatch_version", g.version), outputs)
+    return outputs
+
+
+def _preempt_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    g = _BY_SCHEDULER.get(instance)
+    req = args[0] if args else kwargs.get("request")
+    if g is not None and req is not None and getattr(req, "num_computed_tokens", 1) == 0:
+        # It will be recomputed from scratch: with the weights of now, under the salt of now.
+        if getattr(req, "_rlpatch_salt_key", None) != g.salt_key():
+            g.salt(req, rehash=True)
+        g.kv_version[req.request_id] = g.version
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- front end
+def _process_outputs_wrapper(wrapped, instance, args, kwargs):
+    ecos = args[0] if args else kwargs.get("engine_core_outputs")
+    if ecos:
+        states = instance.request_states
+        for eco in ecos:
+            params = eco.kv_transfer_params
+            if params and TAG_KEY in params:
+                tag = params.pop(TAG_KEY)
+                if not params:
+                    eco.kv_transfer_params = None
+                st = states.get(eco.request_id)
+                if st is not None:
+                    det = getattr(st, "detokenizer", None)
+                    n = det.num_output_tokens() if det is not None else 0
+                    starts = st.__dict__.setdefault("_rlpatch_starts", [])
+                    starts.append((n, int(tag[0]), int(tag[1])))
+    return wrapped(*args, **kwargs)
+
+
+def spans_of(starts: list[tuple[int, int, int]], end: int) -> list[VersionSpan]:
+    out: list[VersionSpan] = []
+    for i, (s, v, kv) in enumerate(starts):
+        e = starts[i + 1][0] if i + 1 < len(starts) else end
+        if out and out[-1].end == s and (out[-1].version, out[-1].kv_version) == (v, kv):
+            out[-1] = out[-1]._replace(end=e)
+        elif e > s or (i + 1 == len(starts) and not out):
+            out.append(VersionSpan(s, e, v, kv))
+    return out
+
+
+def _new_completion_output_wrapper(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    starts = instance.__dict__.get("_rlpatch_starts")
+    if starts:
+        det = getattr(instance, "detokenizer", None)
+        end = det.num_output_tokens() if det is not None else len(getattr(out, "token_ids", ()) or ())
+        try:
+            out.rlpatch_weight_versions = spans_of(starts, end)
+        except AttributeError:
+            pass
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- install
+def _on_weight_event(ev, engine) -> None:
+    """A worker in *this* process changed its weights."""
+    if ev.side != "worker":
+        return
+    g = _BY_WORKER.get(id(engine))
+    if g is None:
+        return
+    if _TLS.rpc_guard is g:
+        return  # inside an RPC of this engine: check_workers() picks it up when the RPC returns
+    g.updated(f"in-process worker: {ev.source}", ev.version)
+
+
+_WRAPPERS: dict[str, Callable] = {
+    f"{CORE}:EngineCore.collective_rpc": _collective_rpc_wrapper,
+    f"{CORE}:EngineCore.preprocess_add_request": _preprocess_wrapper,
+    f"{CORE}:EngineCore.add_request": _add_request_wrapper,
+    f"{CORE}:EngineCore.step": _step_wrapper,
+    f"{CORE}:EngineCore.step_with_batch_queue": _step_wrapper,
+    f"{SCHED}:Scheduler.schedule": _schedule_wrapper,
+    f"{SCHED}:Scheduler.update_from_output": _update_from_output_wrapper,
+    f"{SCHED}:Scheduler._preempt_request": _preempt_wrapper,
+    f"{OUTPUTS}:OutputProcessor.process_outputs": _process_outputs_wrapper,
+    f"{OUTPUTS}:RequestState._new_completion_output": _new_completion_output_wrapper,
+}
+
+
+def _wrap_module(module_name: str):
+    def hook(module: Any = None) -> None:
+        if not _active:
+            return
+        for target, wrapper in _WRAPPERS.items():
+            if target.partition(":")[0] != module_name:
+                continue
+            if _wrapping.target_exists(target):
+                _wrapping.wrap(target, wrapper, OWNER)
+            else:
+                logger.warning("vllm-rlpatch: %s is missing in this vLLM; its part of the weight-update "
+                               "handling is off", target)
+
+    return hook
+
+
+def require(user: str) -> None:
+    """A patch needs the hook: install it (idempotent), wrapping each module when vLLM imports it."""
+    global _active, _unsubscribe
+    from vllm_rlpatch._startup import when_imported
+    from vllm_rlpatch.hooks import weights
+
+    with _LOCK:
+        _USERS.add(user)
+        if _active:
+            return
+        _active = True
+        for mod in (CORE, SCHED, OUTPUTS):
+            when_imported(mod, _wrap_module(mod))
+        _unsubscribe = weights.on_weight_update(_on_weight_event)
+
+
+def release(user: str) -> None:
+    global _active, _unsubscribe
+    with _LOCK:
+        _USERS.discard(user)
+        if _USERS:
+            return
+        _active = False
+        for target in TARGETS:
+            _wrapping.unwrap(target, OWNER)
+        if _unsubscribe is not None:
+            _unsubscribe()
+            _unsubscribe = None
+
+
+def add_policy(p: Policy) -> None:
+    with _LOCK:
+        _POLICIES[p.name] = p
+
+
+def remove_policy(name: str) -> None:
+    with _LOCK:
+        _POLICIES.pop(name, None)
+
+
+def users() -> set[str]:
+    with _LOCK:
+        return set(_USERS)
+
+
+def now() -> float:
+    return time.monotonic()

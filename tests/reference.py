@@ -1,0 +1,95 @@
+"""Trainer-side reference logprobs, computed independently of vllm_rlpatch (this module never imports it).
+
+A trainer recomputes the logprob of every sampled token with its own copy of the weights; here that is
+transformers in float32 on the same bf16 weights vLLM loaded. ``processed`` applies the sampling params
+the way vLLM's sampler does (temperature, then top-k, then top-p, masked tokens at -inf), so the result is
+the behaviour policy's logprob; ``processed=False`` gives the T=1 untruncated (raw) distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+_MODELS: dict[str, object] = {}
+
+
+def load(path: str, dtype=torch.float32):
+    key = f"{path}:{dtype}"
+    if key not in _MODELS:
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        m.eval()
+        _MODELS[key] = m
+    return _MODELS[key]
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """[n, vocab] fp32 logits -> [n, vocab] log-probs of the distribution vLLM samples from."""
+    x = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        x = x / temperature
+    if top_k and top_k > 0 and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=False)
+        probs = sorted_x.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+        mask = cum <= 1 - top_p
+        mask[..., -1] = False  # keep at least one
+        sorted_x = sorted_x.masked_fill(mask, -math.inf)
+        x = torch.empty_like(x).scatter_(-1, idx, sorted_x)
+    return x.log_softmax(dim=-1)
+
+
+@torch.no_grad()
+def token_logprobs(model, prompt_ids: list[int], output_ids: list[int], *, temperature=1.0, top_k=0, top_p=1.0,
+                   processed=True) -> list[float]:
+    """Logprob of each output token given the prompt and the preceding output tokens."""
+    ids = torch.tensor([prompt_ids + output_ids])
+    logits = model(ids).logits[0].float()
+    pos = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(output_ids) - 1)
+    rows = logits[pos]
+    lp = processed_logprobs(rows, temperature, top_k, top_p) if processed else rows.log_softmax(-1)
+    return lp[torch.arange(len(output_ids)), torch.tensor(output_ids)].tolist()
+
+
+def mismatch(vllm_lps: list[float], ref_lps: list[float]) -> dict:
+    """NeMo-RL's token_mult_prob_error = mean exp(|gen_lp - ref_lp|), plus what it hides."""
+    pairs = [(a, b) for a, b in zip(vllm_lps, ref_lps) if a is not None]
+    outside = [(a, b) for a, b in pairs if not math.isfinite(b) or b < -1e29 or a < -1e29]
+    finite = [(a, b) for a, b in pairs if (a, b) not in outside]
+    errs = [math.exp(min(abs(a - b), 50.0)) for a, b in finite]
+    return {"n": len(pairs), "n_finite": len(finite), "n_outside": len(outside),
+            "token_mult_prob_error": sum(errs) / len(errs) if errs else float("nan"),
+            "max": max(errs) if errs else float("nan"),
+            "mean_abs_diff": sum(abs(a - b) for a, b in finite) / len(finite) if finite else float("nan")}
+
+
+def perturbed_copy(src: str, dst: str, scale: float = 0.5, seed: int = 7) -> str:
+    """Copy a model directory with every weight matrix perturbed by Gaussian noise (``scale`` x its std):
+    "new weights" a trainer might push, different enough that stale KV is visible."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src_p, dst_p = Path(src), Path(dst)
+    dst_p.mkdir(parents=True, exist_ok=True)
+    for f in src_p.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, dst_p / f.name)
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(src_p / "model.safetensors"))
+    out = {}
+    for name, t in sorted(tensors.items()):
+        if t.dim() >= 2:
+            noise = torch.randn(t.shape, generator=g) * t.float().std() * scale
+            out[name] = (t.float() + noise).to(t.dtype).contiguous()
+        else:
+            out[name] = t.clone()
+    save_file(out, str(dst_p / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst_p)

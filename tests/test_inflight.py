@@ -1,0 +1,136 @@
+"""Requests running while the weights change (AsyncLLM, what async RL frameworks do), on real vLLM.
+
+tests/scripts/inflight.py streams two long requests, updates the weights (reload_weights) once the first
+has a few tokens, sends the same prompts again while the first two still run ("during") and once more
+after ("after"). Every token must carry the weight version it was sampled under (spans), and its logprob
+must match the float32 reference of the weights of its own version; how the KV of the running requests is
+handled follows VLLM_RLPATCH_INFLIGHT. Neither script nor reference imports vllm_rlpatch.
+"""
+
+import json
+
+import pytest
+
+import reference as R
+from conftest import model_path, run_script
+from test_rl_correctness import _BASE
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 480
+PROMPTS = [p + " " + p for p in _BASE[:2]]
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory):
+    return R.perturbed_copy(model_path(), str(tmp_path_factory.mktemp("w") / "llama-B"), scale=1.0, seed=7)
+
+
+def _run(tmp_path, new_weights, expect_update_error=False, **env):
+    spec = {"model": model_path(), "new_weights": new_weights, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "update_after": 8}
+    f = tmp_path / "spec.json"
+    f.write_text(json.dumps(spec))
+    r, log = run_script("inflight.py", str(f), cwd=tmp_path, **env)
+    assert (r["update_error"] is not None) is expect_update_error, r["update_error"]
+    r["log"] = log
+    return r
+
+
+def _per_span(q, new_weights):
+    """[(start, end, version, kv_version, token_mult_prob_error vs the reference of `version`)]"""
+    refs = {0: R.token_logprobs(R.load(model_path()), q["prompt_token_ids"], q["token_ids"]),
+            1: R.token_logprobs(R.load(new_weights), q["prompt_token_ids"], q["token_ids"])}
+    out = []
+    for s, e, v, kv in q["spans"]:
+        out.append((s, e, v, kv, R.mismatch(q["logprobs"][s:e], refs[v][s:e])["token_mult_prob_error"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def recompute(tmp_path_factory, new_weights):
+    return _run(tmp_path_factory.mktemp("recompute"), new_weights)  # the default
+
+
+@pytest.fixture(scope="module")
+def keep(tmp_path_factory, new_weights):
+    return _run(tmp_path_factory.mktemp("keep"), new_weights, VLLM_RLPATCH_INFLIGHT="keep")
+
+
+@pytest.fixture(scope="module")
+def abort(tmp_path_factory, new_weights):
+    return _run(tmp_path_factory.mktemp("abort"), new_weights, VLLM_RLPATCH_INFLIGHT="abort")
+
+
+@pytest.fixture(scope="module")
+def reset_keep(tmp_path_factory, new_weights):
+    return _run(tmp_path_factory.mktemp("reset"), new_weights, VLLM_RLPATCH_INFLIGHT="keep",
+                VLLM_RLPATCH_PREFIX_CACHE="reset")
+
+
+def _check_new_requests(r, new_weights, cached_after: bool, first_still_running: bool = True):
+    """'during' and 'after' requests: all tokens version 1 with version-1 KV, matching the new weights."""
+    if first_still_running:
+        assert all(r["during_finished_first"]), "the first requests must still run while 'during' ones are served"
+    for q in r["during"] + r["after"]:
+        spans = _per_span(q, new_weights)
+        assert [(s, e, v, kv) for s, e, v, kv, _ in spans] == [(0, 16, 1, 1)], spans
+        assert spans[0][4] <= 1.02, spans
+    # (a 'during' request may hit blocks a recomputed request already filled with version 1: that is fine;
+    # a hit on the old blocks the running requests still hold would show in the logprobs above)
+    if cached_after:
+        assert all(q["num_cached_tokens"] >= 64 for q in r["after"])
+
+
+def test_recompute_each_token_matches_the_weights_it_was_sampled_with(recompute, new_weights):
+    for q in recompute["inflight"]:
+        assert len(q["token_ids"]) == MAX_TOKENS and q["finish_reason"] == "length"
+        spans = _per_span(q, new_weights)
+        assert len(spans) == 2, f"the update must land mid-request: {spans}"
+        (s0, e0, v0, kv0, err0), (s1, e1, v1, kv1, err1) = spans
+        assert (s0, e1) == (0, MAX_TOKENS) and e0 == s1 and 0 < e0 < MAX_TOKENS
+        assert (v0, kv0, v1, kv1) == (0, 0, 1, 1)  # KV rebuilt with the new weights
+        assert err0 <= 1.02 and err1 <= 1.02, spans
+    assert "running request(s) preempted, KV rebuilt with the new weights" in recompute["log"]
+    _check_new_requests(recompute, new_weights, cached_after=True)
+
+
+def test_keep_reports_the_mixing_instead_of_hiding_it(keep, new_weights):
+    for q in keep["inflight"]:
+        assert len(q["token_ids"]) == MAX_TOKENS
+        spans = _per_span(q, new_weights)
+        assert len(spans) == 2, spans
+        (_, _, v0, kv0, err0), (_, _, v1, kv1, err1) = spans
+        assert (v0, kv0) == (0, 0) and (v1, kv1) == (1, 0)  # sampled by version 1 on version-0 KV: mixed
+        assert err0 <= 1.02
+        assert err1 > 1.05, spans  # what the span says: these tokens are NOT the new policy's
+    assert "keep the KV of weight version 0 (reported in their version spans)" in keep["log"]
+    _check_new_requests(keep, new_weights, cached_after=False)
+
+
+def test_abort_finishes_running_requests_with_abort(abort, new_weights):
+    for q in abort["inflight"]:
+        assert q["finish_reason"] == "abort" and 0 < len(q["token_ids"]) < MAX_TOKENS
+        spans = _per_span(q, new_weights)
+        assert [(v, kv) for _, _, v, kv, _ in spans] == [(0, 0)] and spans[0][4] <= 1.02
+    assert "2 running request(s) aborted" in abort["log"]
+    _check_new_requests(abort, new_weights, cached_after=True, first_still_running=False)
+
+
+def test_a_refused_reset_is_retried_and_never_serves_stale_kv(reset_keep, new_weights):
+    log = reset_keep["log"]
+    assert "prefix-cache reset refused by vLLM" in log
+    assert "prefix-cache reset succeeded after" in log
+    assert log.count("Failed to reset prefix cache") <= 2  # retried when it can succeed, not every step
+    _check_new_requests(reset_keep, new_weights, cached_after=False)
+
+
+def test_refuse_rejects_the_update_before_anything_is_written(tmp_path, new_weights):
+    r = _run(tmp_path, new_weights, expect_update_error=True, VLLM_RLPATCH_INFLIGHT="refuse")
+    assert "refused" in r["update_error"] and "VLLM_RLPATCH_INFLIGHT=refuse" in r["update_error"]
+    old = R.load(model_path())
+    for q in r["inflight"] + r["during"]:  # the weights never changed: version 0 throughout, old weights
+        assert [tuple(s[2:]) for s in q["spans"]] == [(0, 0)], q["spans"]
+        ref = R.token_logprobs(old, q["prompt_token_ids"], q["token_ids"])
+        assert R.mismatch(q["logprobs"], ref)["token_mult_prob_error"] <= 1.02
+    assert "weights changed" not in r["log"]
