@@ -66,7 +66,8 @@ TARGETS = CORE_TARGETS + SCHED_TARGETS + FRONTEND_TARGETS
 # RPCs that never change weights (ours, and vLLM's own read-only ones): no worker-version check after them.
 _READ_ONLY = frozenset({"rlpatch_ping", "rlpatch_status", "rlpatch_weight_version", "get_model", "check_health",
                         "get_kv_cache_spec", "determine_available_memory", "get_supported_tasks", "list_loras",
-                        "get_cache_block_size_bytes", "is_sleeping"})
+                        "get_cache_block_size_bytes", "is_sleeping", "update_max_model_len",
+                        "compute_weight_checksums"})
 
 
 def update_method_names() -> frozenset[str]:
@@ -145,7 +146,7 @@ class Guard:
 
     def __init__(self, core: Any) -> None:
         self.core_ref = weakref.ref(core)
-        self.scheduler = getattr(core, "scheduler", None)
+        self.scheduler = None  # set by guard_for() once the engine core has one
         self.version = 0
         self.worker_version = 0
         self.kv_version: dict[str, int] = {}  # request id -> version its KV is computed with
@@ -341,8 +342,12 @@ def guard_for(core: Any, create: bool = True) -> Guard | None:
             if g is None:
                 g = Guard(core)
                 _GUARDS[core] = g
-                if g.scheduler is not None:
-                    _BY_SCHEDULER[g.scheduler] = g
+    if g is not None and g.scheduler is None:  # created during EngineCore.__init__, before the scheduler
+        sched = getattr(core, "scheduler", None)
+        if sched is not None:
+            with _LOCK:
+                g.scheduler = sched
+                _BY_SCHEDULER[sched] = g
     return g
 
 
