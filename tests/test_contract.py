@@ -14,7 +14,7 @@ IDS = [s.name for s in ALL_PATCHES]
 # Import every patch target once in the parent so each forked test starts in milliseconds.
 for _spec in ALL_PATCHES:
     for _t in (*_spec.targets, *_spec.lazy_targets):
-        _wrapping.resolve(_t)
+        _wrapping.target_exists(_t)  # a target upstream removed is checked in test_apply_revert_idempotent
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +73,12 @@ def _forced(spec):
 
 @pytest.mark.parametrize("spec", ALL_PATCHES, ids=IDS)
 def test_apply_revert_idempotent(spec):
+    missing = [t for t in (*spec.targets, *spec.lazy_targets) if not _wrapping.target_exists(t)]
+    if missing:
+        # only acceptable where the spec never applies on this vLLM (upstream's fix removed the target)
+        state, reason = registry.decide(spec)
+        assert state in ("not_needed", "unsupported"), (spec.name, missing, state, reason)
+        pytest.skip(f"{spec.name}: {state} on this vLLM ({reason}); targets absent: {', '.join(missing)}")
     spec = _forced(spec)
     before = _unwrapped_state()
     assert not any(before.values())

@@ -50,7 +50,7 @@ def target_exists(path: str) -> bool:
     try:
         resolve(path)
         return True
-    except (ImportError, AttributeError):
+    except Exception:  # ImportError, AttributeError, or a module that fails to import (NameError, ...)
         return False
 
 

@@ -50,6 +50,19 @@ def _choice(*choices: str) -> Callable[[str, str], str]:
     return parse
 
 
+def _positive(kind: type, lo: float, hi: float) -> Callable[[str, str], Any]:
+    def parse(name: str, raw: str) -> Any:
+        try:
+            v = kind(raw.strip())
+        except ValueError:
+            raise EnvError(f"{name}={raw!r} is not a {'number' if kind is float else 'whole number'}") from None
+        if not lo <= v <= hi:
+            raise EnvError(f"{name}={raw!r} is out of range; use {lo:g}..{hi:g}")
+        return v
+
+    return parse
+
+
 def _directory(name: str, raw: str) -> str:
     if not raw.strip():
         raise EnvError(f"{name} is set but empty; give a directory path or unset it")
@@ -100,7 +113,24 @@ INFLIGHT = EnvVar(
     "their version spans report it), `refuse` (an update RPC vLLM knows is refused while requests run).",
 )
 
-GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, STRICT, LOG_LEVEL, STATUS_DIR, INFLIGHT)
+PORT_LEASE_S = EnvVar(
+    PREFIX + "PORT_LEASE_S", _positive(float, 0.1, 86400), 120.0,
+    "Seconds a port chosen for a TCPStore stays leased (host-wide, other vllm-rlpatch processes skip it) "
+    "while the process that will bind it starts (`tcpstore_port`).",
+)
+PORT_BAND = EnvVar(
+    PREFIX + "PORT_BAND", _positive(int, 1, 65535), 512,
+    "Ports tried from VLLM_PORT upwards before a MessageQueue or TCPStore gives up with an error naming "
+    "the range (`mq_bind_retry`, `tcpstore_port`).",
+)
+PORT_LEASE_DIR = EnvVar(
+    PREFIX + "PORT_LEASE_DIR", _directory, None,
+    "Where port leases live (default /tmp/vllm-rlpatch-ports-<uid>); processes must share it to see each "
+    "other's leases.",
+)
+
+GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, STRICT, LOG_LEVEL, STATUS_DIR, INFLIGHT, PORT_LEASE_S, PORT_BAND,
+                                   PORT_LEASE_DIR)
 
 
 def patch_toggle(patch_name: str, default: bool) -> EnvVar:

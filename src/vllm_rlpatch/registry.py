@@ -11,8 +11,9 @@ Decision order for one patch (first match wins):
 4. vLLM >= ``fixed_in`` (upstream fixed the bug)         -> ``not_needed``
 5. vLLM older than the spec's range                      -> ``unsupported``
 6. vLLM newer than the range's upper bound               -> ``unsupported``
-7. a target missing (inner API drift)                    -> ``unsupported``
-8. the behaviour probe says the bug is absent            -> ``not_needed``
+7. the behaviour probe says the bug is absent            -> ``not_needed`` (before 8: upstream's fix may be
+   what removed a target)
+8. a target missing (inner API drift)                    -> ``unsupported``
 9. ``apply()`` raises                                    -> ``failed`` (raises under STRICT / explicit enable)
 10. otherwise                                            -> ``applied`` (with one WARNING if vLLM is newer
     than the newest tested release)
@@ -144,11 +145,6 @@ def decide(spec: PatchSpec, info: VllmInfo | None = None) -> tuple[str | None, s
         if _upper_bound_exceeded(sset, v):
             return "unsupported", f"vLLM {info.raw_version} is newer than the supported range {spec.vllm}"
         return "unsupported", f"vLLM {info.raw_version} is outside the supported range {spec.vllm}"
-    missing = [t for t in spec.targets if not _wrapping.target_exists(t)]
-    missing += [t for t in spec.lazy_targets
-                if t.partition(":")[0] in sys.modules and not _wrapping.target_exists(t)]
-    if missing:
-        return "unsupported", f"target(s) missing in vLLM {info.raw_version}: {', '.join(missing)}"
     if spec.probe is not None:
         try:
             present = spec.probe()
@@ -157,6 +153,11 @@ def decide(spec: PatchSpec, info: VllmInfo | None = None) -> tuple[str | None, s
             present = True
         if not present:
             return "not_needed", f"behaviour probe: the bug is absent in vLLM {info.raw_version}"
+    missing = [t for t in spec.targets if not _wrapping.target_exists(t)]
+    missing += [t for t in spec.lazy_targets
+                if t.partition(":")[0] in sys.modules and not _wrapping.target_exists(t)]
+    if missing:
+        return "unsupported", f"target(s) missing in vLLM {info.raw_version}: {', '.join(missing)}"
     reason = f"vLLM {info.raw_version} in {spec.vllm}"
     if info.untested:
         reason += f" (untested: newest tested is {NEWEST_TESTED})"

@@ -10,13 +10,20 @@ import ast
 from pathlib import Path
 
 
-def all_targets() -> list[str]:
-    """Patch spec targets plus the shared hooks' own targets (``module:Qual.name``), deduplicated."""
+def all_targets(for_version: str | None = None) -> list[str]:
+    """Patch spec targets plus the shared hooks' own targets (``module:Qual.name``), deduplicated.
+
+    ``for_version``: only the targets a vLLM of that version would wrap (patches retired there by
+    ``fixed_in`` are left out: upstream's fix may have removed what they wrap)."""
+    from packaging.version import Version
+
     from vllm_rlpatch.hooks import config, explicit, weights
     from vllm_rlpatch.patches import ALL_PATCHES
 
+    specs = [s for s in ALL_PATCHES
+             if for_version is None or s.fixed_in is None or Version(for_version) < Version(s.fixed_in)]
     out: list[str] = []
-    for t in [*(t for s in ALL_PATCHES for t in (*s.targets, *s.lazy_targets)), config.TARGET, *weights.FRONTEND_TARGETS,
+    for t in [*(t for s in specs for t in (*s.targets, *s.lazy_targets)), config.TARGET, *weights.FRONTEND_TARGETS,
               *weights.WORKER_TARGETS, *explicit.TARGETS]:
         if t not in out:
             out.append(t)

@@ -3,8 +3,10 @@
 from vllm_rlpatch.patches import (
     async_preempt_discard,
     cpu_amx_permission,
+    mq_bind_retry,
     prefix_cache,
     rl_defaults,
+    tcpstore_port,
     weight_events,
     worker_extension,
 )
@@ -16,6 +18,8 @@ ALL_PATCHES = (
     rl_defaults.SPEC,
     prefix_cache.SPEC,
     async_preempt_discard.SPEC,
+    mq_bind_retry.SPEC,
+    tcpstore_port.SPEC,
 )
 
 BY_NAME = {s.name: s for s in ALL_PATCHES}

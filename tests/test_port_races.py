@@ -1,0 +1,184 @@
+"""Port races on real vLLM code (issue: atomic MessageQueue bind, TCPStore port deconfliction).
+
+On 2 cores the natural probe->bind window is microseconds, so the tests widen it the way a loaded node does:
+`DELAY` s between vLLM's own port probe (`network_utils._get_open_port`) and the bind that follows, and
+`HOLD` s between the TCPStore port selection and the store's bind (a Ray actor starting). Each bug is
+reproduced with the patch off (so each test can fail) and shown gone with it on, over many concurrent
+processes (tests/portrace.py, tests/scripts/port_stress.py). The two-host tests run writer and readers in
+two network namespaces joined by a veth pair, so the TCP path crosses a real interface.
+"""
+
+import dataclasses
+import os
+import socket
+
+import pytest
+from packaging.version import Version
+
+import portrace
+from conftest import vllm_version
+
+V = Version(vllm_version().split("+")[0])
+MQ_BUG = V < Version("0.28")
+STORE_BUG = V < Version("0.29")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+only_with_mq_bug = pytest.mark.skipif(not MQ_BUG, reason=f"vLLM {V} binds the MessageQueue atomically itself")
+only_with_store_bug = pytest.mark.skipif(not STORE_BUG, reason=f"vLLM {V} binds the TCPStore itself")
+
+
+def _errors(r):
+    return " | ".join(r["errors"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MessageQueue: 16 processes, remote readers, VLLM_PORT set
+@only_with_mq_bug
+def test_mq_stress_unpatched_fails():
+    r = portrace.mq_trial(procs=16, count=2, delay=0.3, patched=False)
+    assert r["failed"] > 0, r
+    assert "Address already in use" in _errors(r), r
+    assert r["corrupted"] == 0 and r["delivered"] == r["created"], r
+
+
+@only_with_mq_bug
+def test_mq_stress_patched_never_fails():
+    r = portrace.mq_trial(procs=16, count=63, delay=0.3, patched=True)
+    assert r["attempts"] >= 1000
+    assert r["failed"] == 0, r
+    assert r["delivered"] == r["attempts"] and r["corrupted"] == 0, r
+    band = range(r["vllm_port"], r["vllm_port"] + 512)
+    assert r["ports_seen"] and all(p in band for p in r["ports_seen"]), r  # VLLM_PORT still honoured
+
+
+@only_with_mq_bug
+def test_mq_exhausted_band_is_a_clear_error():
+    start = portrace.free_band(2)
+    held = []
+    try:
+        for p in (start, start + 1):
+            s = socket.socket()
+            s.bind(("", p))
+            s.listen()
+            held.append(s)
+        r = portrace.mq_trial(procs=1, count=1, delay=0, patched=True, vllm_port=start, band=2)
+    finally:
+        for s in held:
+            s.close()
+    assert r["failed"] == 1, r
+    err = _errors(r)
+    assert "PortRangeExhausted" in err and f"{start}-{start + 1}" in err and "VLLM_RLPATCH_PORT_BAND" in err, r
+
+
+@only_with_mq_bug
+@pytest.mark.parametrize("with_port", [True, False], ids=["VLLM_PORT", "ephemeral"])
+def test_mq_ipv6_loopback(with_port):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 in this kernel")
+    port = portrace.free_band(16) if with_port else None
+    r = portrace.mq_trial(procs=2, count=5, delay=0.1, patched=True, ip="::1", vllm_port=port)
+    assert r["failed"] == 0 and r["delivered"] == 10, r
+
+
+def test_mq_unaffected_when_upstream_binds_atomically():
+    """On a vLLM without the bug the plugin leaves shm_broadcast alone, and stock vLLM itself survives the
+    same stress (behaviour, not only the version number)."""
+    if MQ_BUG:
+        pytest.skip(f"vLLM {V} has the probe-then-bind MessageQueue")
+    from vllm_rlpatch import registry
+    from vllm_rlpatch.patches import mq_bind_retry
+
+    assert registry.decide(mq_bind_retry.SPEC)[0] == "not_needed"
+    forced = dataclasses.replace(mq_bind_retry.SPEC, vllm=">=0", fixed_in=None)
+    state, reason = registry.decide(forced)
+    assert state == "not_needed" and "behaviour probe" in reason, (state, reason)
+    r = portrace.mq_trial(procs=8, count=4, delay=0.3, patched=None)
+    assert r["failed"] == 0 and r["delivered"] == r["attempts"], r
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two hosts: network namespaces + veth
+@pytest.fixture(scope="module")
+def two_hosts():
+    why = portrace.TwoHosts.unavailable()
+    if why:
+        if IN_CI:
+            pytest.fail(f"two-host tests cannot run under CI=true: {why}")
+        pytest.skip(f"two-host tests need network namespaces: {why}")
+    with portrace.TwoHosts() as h:
+        yield h
+
+
+@only_with_mq_bug
+def test_two_hosts_unpatched_fails(two_hosts):
+    r = portrace.two_host_trial(two_hosts, writers=4, count=2, delay=0.3, patched=False)
+    assert r["failed"] > 0 and "Address already in use" in _errors(r), r
+    assert r["received_on_other_host"] == r["created"], r
+
+
+@only_with_mq_bug
+@pytest.mark.parametrize("ipv6", [False, True], ids=["ipv4", "ipv6"])
+def test_two_hosts_patched(two_hosts, ipv6):
+    r = portrace.two_host_trial(two_hosts, writers=4, count=25 if not ipv6 else 5, delay=0.3, patched=True,
+                                ipv6=ipv6)
+    assert r["failed"] == 0, r
+    assert r["received_on_other_host"] == r["attempts"] == r["delivered"], r
+    assert r["writer_ip"] in two_hosts.interfaces(two_hosts.a)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TCPStore: 32 concurrent non-DP engine inits (8 processes x 4 threads), real selection + real TCPStore bind
+@only_with_store_bug
+def test_tcpstore_concurrent_inits_unpatched_collide():
+    if os.geteuid() != 0 and V >= Version("0.25"):
+        pytest.skip("the port-100 collision needs root (non-root cannot bind port 100 and falls back)")
+    r = portrace.tcpstore_trial(procs=8, threads=4, hold=1.0, patched=False, vllm_port=portrace.free_band(64))
+    assert r["inits"] == 32 and r["store_bind_failures"] > 0, r
+    assert "EADDRINUSE" in _errors(r) or "address already in use" in _errors(r).lower(), r
+    if "_select_tcpstore_port(0, 0)" in r["how"]:
+        assert r["most_common_port"][0] == 100, r  # the port-100 bug, VLLM_PORT or not
+
+
+@only_with_store_bug
+@pytest.mark.parametrize("with_port", [True, False], ids=["VLLM_PORT", "ephemeral"])
+def test_tcpstore_concurrent_inits_patched(with_port):
+    port = portrace.free_band(64) if with_port else None
+    r = portrace.tcpstore_trial(procs=8, threads=4, hold=1.0, patched=True, vllm_port=port)
+    assert r["inits"] == 32 and r["store_bind_failures"] == 0 and r["distinct_ports"] == 32, r
+    assert r["most_common_port"][0] != 100, r
+
+
+@only_with_store_bug
+def test_tcpstore_and_messagequeue_in_one_process():
+    """RayExecutorV2 step 3 picks the store port, step 4 creates the MessageQueue: with VLLM_PORT set the
+    queue must not take the port the store will bind."""
+    port = portrace.free_band(64)
+    off = portrace.tcpstore_trial(procs=1, threads=1, hold=0.5, patched=False, vllm_port=port, mq_ip="127.0.0.1")
+    if off["how"] == ["get_open_port()"]:  # 0.20: both probes return VLLM_PORT
+        assert off["mq_took_store_port"] == 1 and off["store_bind_failures"] == 1, off
+    on = portrace.tcpstore_trial(procs=2, threads=2, hold=0.5, patched=True, vllm_port=port, mq_ip="127.0.0.1")
+    assert on["inits"] == 4 and on["mq_took_store_port"] == 0 and on["store_bind_failures"] == 0, on
+    assert on["distinct_ports"] == 4, on
+
+
+def test_tcpstore_not_needed_where_upstream_binds_the_store():
+    if STORE_BUG:
+        pytest.skip(f"vLLM {V} selects TCPStore ports by probing")
+    import types
+
+    from vllm.v1.executor import ray_executor_v2, uniproc_executor
+
+    from vllm_rlpatch import registry
+    from vllm_rlpatch.patches import tcpstore_port
+
+    assert registry.decide(tcpstore_port.SPEC)[0] == "not_needed"
+    forced = dataclasses.replace(tcpstore_port.SPEC, vllm=">=0", fixed_in=None)
+    state, reason = registry.decide(forced)
+    assert state == "not_needed" and "behaviour probe" in reason, (state, reason)
+    # behaviour: the uniproc executor's rendezvous is a file store (no TCP port at all), and the Ray v2
+    # executor has no probe-based selection (its rank-0 actor binds port 0 and keeps the store)
+    fake = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        device_config=types.SimpleNamespace(device="cpu")))
+    method, rank, _ = uniproc_executor.UniProcExecutor._distributed_args(fake)
+    assert method.startswith("file://") and rank == 0, method
+    assert not hasattr(ray_executor_v2.RayExecutorV2, "_select_tcpstore_port")
+    assert hasattr(ray_executor_v2.RayWorkerProc, "create_dist_init_method")
