@@ -179,7 +179,18 @@ class TwoHosts:
             raise
         return self
 
+    def kill_all(self) -> None:
+        """Kill every process left in the namespaces (an engine's workers outlive a killed parent)."""
+        for ns in (self.a, self.b):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+
     def __exit__(self, *exc) -> None:
+        self.kill_all()
         for ns in (self.a, self.b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
@@ -235,3 +246,35 @@ def tcpstore_trial(*, procs: int, threads: int, hold: float, patched: bool | Non
             "mq_took_store_port": len(mq_clash), "how": sorted({t["how"] for t in inits}),
             "vllm_port": vllm_port, "as_root": os.geteuid() == 0,
             "errors": sorted({t["error"].splitlines()[0][:200] for t in failed})[:3], "wall_s": round(time.time() - t0, 1)}
+
+
+def two_host_engine(hosts: TwoHosts, model: str, *, env_extra: dict[str, str], timeout: float = 400) -> dict:
+    """A TP=2 engine with one rank on each host (vLLM's multi-node mp executor); node 0 generates 8 greedy
+    tokens. Returns node 0's RESULT plus both hosts' logs."""
+    script = str(HERE / "scripts" / "multinode_engine.py")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_RLPATCH_") and k != "VLLM_PORT"}
+    base["PYTHONPATH"] = os.pathsep.join([str(HERE), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    base.update(env_extra)
+    master_port = "29555"
+    env_b = dict(base, VLLM_HOST_IP=hosts.ip_b, GLOO_SOCKET_IFNAME=hosts._vb, VLLM_CPU_OMP_THREADS_BIND="1")
+    env_a = dict(base, VLLM_HOST_IP=hosts.ip_a, GLOO_SOCKET_IFNAME=hosts._va, VLLM_CPU_OMP_THREADS_BIND="0")
+    cmd = lambda ns, role: ["ip", "netns", "exec", ns, sys.executable, script, role, model, hosts.ip_a, master_port]
+    t0 = time.time()
+    b = subprocess.Popen(cmd(hosts.b, "node1"), env=env_b, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        a = subprocess.run(cmd(hosts.a, "node0"), env=env_a, capture_output=True, text=True, timeout=timeout)
+        log_a = a.stdout + a.stderr
+        rc = a.returncode
+    except subprocess.TimeoutExpired as e:
+        log_a = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    finally:
+        hosts.kill_all()
+        try:
+            log_b = b.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            b.kill()
+            log_b = b.communicate()[0]
+    lines = [l for l in log_a.splitlines() if l.startswith("RESULT ")]
+    res = json.loads(lines[-1][7:]) if lines else None
+    return {"result": res, "rc": rc, "log_a": log_a, "log_b": log_b, "wall_s": round(time.time() - t0, 1)}

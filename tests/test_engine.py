@@ -36,6 +36,10 @@ def expected_applied(version: str) -> set[str]:
     out = {"weight_events", "worker_extension", "rl_defaults", "prefix_cache"}
     if v < Version("0.22"):
         out.add("async_preempt_discard")
+    if v < Version("0.28"):
+        out.add("mq_bind_retry")
+    if v < Version("0.29"):
+        out.add("tcpstore_port")
     if amx_sigill_here():
         out.add("cpu_amx_permission")
     return out

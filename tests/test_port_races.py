@@ -1,7 +1,7 @@
 """Port races on real vLLM code (issue: atomic MessageQueue bind, TCPStore port deconfliction).
 
 On 2 cores the natural probe->bind window is microseconds, so the tests widen it the way a loaded node does:
-`DELAY` s between vLLM's own port probe (`network_utils._get_open_port`) and the bind that follows, and
+`DELAY` s (0.3; 1 where the test needs the race to happen despite start skew on a loaded CI box) between vLLM's own port probe (`network_utils._get_open_port`) and the bind that follows, and
 `HOLD` s between the TCPStore port selection and the store's bind (a Ray actor starting). Each bug is
 reproduced with the patch off (so each test can fail) and shown gone with it on, over many concurrent
 processes (tests/portrace.py, tests/scripts/port_stress.py). The two-host tests run writer and readers in
@@ -34,7 +34,7 @@ def _errors(r):
 # MessageQueue: 16 processes, remote readers, VLLM_PORT set
 @only_with_mq_bug
 def test_mq_stress_unpatched_fails():
-    r = portrace.mq_trial(procs=16, count=2, delay=0.3, patched=False)
+    r = portrace.mq_trial(procs=16, count=2, delay=1.0, patched=False)  # 1 s: robust to start skew
     assert r["failed"] > 0, r
     assert "Address already in use" in _errors(r), r
     assert r["corrupted"] == 0 and r["delivered"] == r["created"], r
@@ -110,7 +110,7 @@ def two_hosts():
 
 @only_with_mq_bug
 def test_two_hosts_unpatched_fails(two_hosts):
-    r = portrace.two_host_trial(two_hosts, writers=4, count=2, delay=0.3, patched=False)
+    r = portrace.two_host_trial(two_hosts, writers=4, count=2, delay=1.0, patched=False)
     assert r["failed"] > 0 and "Address already in use" in _errors(r), r
     assert r["received_on_other_host"] == r["created"], r
 
@@ -131,7 +131,7 @@ def test_two_hosts_patched(two_hosts, ipv6):
 def test_tcpstore_concurrent_inits_unpatched_collide():
     if os.geteuid() != 0 and V >= Version("0.25"):
         pytest.skip("the port-100 collision needs root (non-root cannot bind port 100 and falls back)")
-    r = portrace.tcpstore_trial(procs=8, threads=4, hold=1.0, patched=False, vllm_port=portrace.free_band(64))
+    r = portrace.tcpstore_trial(procs=8, threads=4, hold=2.0, patched=False, vllm_port=portrace.free_band(64))
     assert r["inits"] == 32 and r["store_bind_failures"] > 0, r
     assert "EADDRINUSE" in _errors(r) or "address already in use" in _errors(r).lower(), r
     if "_select_tcpstore_port(0, 0)" in r["how"]:
@@ -182,3 +182,27 @@ def test_tcpstore_not_needed_where_upstream_binds_the_store():
     assert method.startswith("file://") and rank == 0, method
     assert not hasattr(ray_executor_v2.RayExecutorV2, "_select_tcpstore_port")
     assert hasattr(ray_executor_v2.RayWorkerProc, "create_dist_init_method")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One real engine across the two hosts: TP=2, vLLM's multi-node mp executor, VLLM_PORT set
+def test_tp2_engine_across_two_hosts(two_hosts):
+    import re
+
+    from conftest import model_path
+
+    vport = 30000
+    r = portrace.two_host_engine(two_hosts, model_path(), env_extra={
+        "VLLM_PORT": str(vport), "VLLM_RLPATCH_LOG_LEVEL": "DEBUG"})
+    assert r["result"] is not None, f"rc={r['rc']}\n--- host A\n{r['log_a'][-5000:]}\n--- host B\n{r['log_b'][-3000:]}"
+    assert len(r["result"]["token_ids"]) == 8, r["result"]
+    # node 0's executor broadcasts to the rank on host B through a MessageQueue remote socket on host A's
+    # interface (n_remote_reader=1)
+    assert f"mq_connect_ip={two_hosts.ip_a}" in r["log_a"], r["log_a"][-3000:]
+    if MQ_BUG:
+        bound = [int(p) for p in re.findall(
+            r"MessageQueue remote socket bound atomically at tcp://" + re.escape(two_hosts.ip_a) + r":(\d+)",
+            r["log_a"])]
+        assert bound and all(vport <= p < vport + 512 for p in bound), r["log_a"][-3000:]
+        for log in (r["log_a"], r["log_b"]):
+            assert re.search(r"applied=\[[^\]]*mq_bind_retry", log), log[-3000:]

@@ -42,6 +42,7 @@ class _Tls(threading.local):
 
 
 _IN_INIT = _Tls()
+_logged = False
 _CLASSES: dict[type, type] = {}
 
 
@@ -96,7 +97,10 @@ def _init_wrapper(wrapped, instance, args, kwargs):
 
         bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
         handle.remote_subscribe_addr = f"{addr[:-2]}:{bound}"
-        logger.debug("vllm-rlpatch: MessageQueue remote socket bound atomically at %s", handle.remote_subscribe_addr)
+        global _logged
+        (logger.debug if _logged else logger.info)(  # once per process at INFO, then DEBUG
+            "vllm-rlpatch: MessageQueue remote socket bound atomically at %s", handle.remote_subscribe_addr)
+        _logged = True
 
 
 def _get_open_port_wrapper(wrapped, instance, args, kwargs):
