@@ -1,6 +1,13 @@
-"""A framework-style worker extension, used to test composition with the plugin's own extension."""
+"""A framework-style worker extension, used to test composition with the plugin's own extension and the
+update paths RL frameworks use inside the worker."""
 
 import os
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(path)
 
 
 class FrameworkExtension:
@@ -9,12 +16,40 @@ class FrameworkExtension:
 
     def framework_load_weights(self, path):
         """What trainers do in a colocated loop: push (name, tensor) pairs into the worker's model."""
-        from safetensors.torch import load_file
-
-        tensors = load_file(path)
+        tensors = _tensors(path)
         model = self.model_runner.model
         try:
             model.load_weights(list(tensors.items()))
             return {"ok": True}
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+    def framework_load_per_param(self, path):
+        """One model.load_weights call per tensor, q/k/v and gate/up of a layer in separate calls (NeMo-RL,
+        OpenRLHF and verl stream parameters this way)."""
+        tensors = _tensors(path)
+        model = self.model_runner.model
+        n = 0
+        try:
+            for name in sorted(tensors):
+                model.load_weights([(name, tensors[name])])
+                n += 1
+            return {"ok": True, "calls": n}
+        except Exception as e:
+            return {"ok": False, "calls": n, "error": f"{type(e).__name__}: {e}"}
+
+    def framework_reload_in_two_calls(self, path):
+        """reload_weights with the weights split in two calls, one fused qkv layer split between them: the
+        first call carries q_proj of layer 0 and everything else, the second its k_proj and v_proj."""
+        tensors = _tensors(path)
+        second = {k for k in tensors if k.startswith("model.layers.0.self_attn.") and ("k_proj" in k or "v_proj" in k)}
+        out = []
+        for part in ([(k, v) for k, v in tensors.items() if k not in second],
+                     [(k, v) for k, v in tensors.items() if k in second]):
+            try:
+                self.reload_weights(weights_iterator=part)
+                out.append({"ok": True})
+            except Exception as e:
+                out.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return out
+

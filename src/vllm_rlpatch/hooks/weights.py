@@ -20,6 +20,7 @@ means "new weights are in place".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -60,6 +61,80 @@ class _Depth(threading.local):
 _DEPTH = _Depth()
 
 
+@contextlib.contextmanager
+def suppressed():
+    """Weight updates inside this block fire no event of their own (the caller fires one when it is done)."""
+    _DEPTH.n += 1
+    try:
+        yield
+    finally:
+        _DEPTH.n -= 1
+
+
+# A worker-side router for direct ``model.load_weights`` calls (set by the ``refit_guard`` patch):
+# ``router(wrapped, model, worker, args, kwargs) -> (result, fire_now: bool)``.
+_LOAD_ROUTER: Callable[..., Any] | None = None
+
+
+def set_load_router(router: Callable[..., Any] | None) -> None:
+    global _LOAD_ROUTER
+    _LOAD_ROUTER = router
+
+
+# Context factories entered around the outermost worker update method (``reload_weights``, the native
+# update API): ``factory(source, worker, args, kwargs) -> context manager`` (the refit guard's strictness).
+_SCOPES: list[Callable[..., Any]] = []
+# Called with a worker before its weight version is read (finish a pending direct-load session).
+_SETTLERS: list[Callable[[Any], None]] = []
+
+
+def add_scope(factory: Callable[..., Any]) -> None:
+    if factory not in _SCOPES:
+        _SCOPES.append(factory)
+
+
+def remove_scope(factory: Callable[..., Any]) -> None:
+    if factory in _SCOPES:
+        _SCOPES.remove(factory)
+
+
+def add_settler(fn: Callable[[Any], None]) -> None:
+    if fn not in _SETTLERS:
+        _SETTLERS.append(fn)
+
+
+def remove_settler(fn: Callable[[Any], None]) -> None:
+    if fn in _SETTLERS:
+        _SETTLERS.remove(fn)
+
+
+_RPC_ERROR_LISTENERS: list[Callable[[Any, str, BaseException], None]] = []
+
+
+def add_rpc_error_listener(fn: Callable[[Any, str, BaseException], None]) -> None:
+    if fn not in _RPC_ERROR_LISTENERS:
+        _RPC_ERROR_LISTENERS.append(fn)
+
+
+def remove_rpc_error_listener(fn: Callable[[Any, str, BaseException], None]) -> None:
+    if fn in _RPC_ERROR_LISTENERS:
+        _RPC_ERROR_LISTENERS.remove(fn)
+
+
+def _rpc_failed(engine: Any, method: str, exc: BaseException) -> None:
+    for fn in list(_RPC_ERROR_LISTENERS):
+        try:
+            fn(engine, method, exc)
+        except Exception:
+            logger.debug("vllm-rlpatch: rpc error listener failed", exc_info=True)
+
+
+def settle(worker: Any, raise_mixed: bool = True) -> None:
+    """Finish whatever the plugin left pending in ``worker`` (may raise: the weights are mixed)."""
+    for fn in list(_SETTLERS):
+        fn(worker, raise_mixed)
+
+
 def engine_key(engine: Any) -> str:
     """A stable key per engine object (LLMEngine, AsyncLLM, Worker); ``LLM`` maps to its ``llm_engine``."""
     engine = getattr(engine, "llm_engine", engine)
@@ -98,11 +173,13 @@ def on_weight_update(callback: Callable[[WeightUpdateEvent, Any], None]) -> Call
     return unsubscribe
 
 
-def fire(engine: Any, source: str, side: str) -> WeightUpdateEvent:
-    """Bump ``engine``'s version and notify listeners (also used by the refit API)."""
+def fire(engine: Any, source: str, side: str, version: int | None = None) -> WeightUpdateEvent:
+    """Bump ``engine``'s version (to ``version`` if given and higher) and notify listeners (also used by the
+    refit API)."""
     key = engine_key(engine)
     with _LOCK:
-        _VERSIONS[key] = _VERSIONS.get(key, 0) + 1
+        nxt = _VERSIONS.get(key, 0) + 1
+        _VERSIONS[key] = max(nxt, int(version)) if version is not None else nxt
         ev = WeightUpdateEvent(key, _VERSIONS[key], source, side, os.getpid(), time.time())
         listeners = list(_LISTENERS)
     logger.info("vllm-rlpatch: weight update #%d on %s via %s", ev.version, key, source)
@@ -138,7 +215,11 @@ def _is_update(args, kwargs) -> str | None:
 
 def _sync_rpc_wrapper(wrapped, instance, args, kwargs):
     method = _is_update(args, kwargs)
-    result = wrapped(*args, **kwargs)
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException as e:
+        _rpc_failed(instance, method or "?", e)
+        raise
     if method is not None:
         fire(instance, f"collective_rpc:{method}", "frontend")
     return result
@@ -147,11 +228,27 @@ def _sync_rpc_wrapper(wrapped, instance, args, kwargs):
 def _async_rpc_wrapper(wrapped, instance, args, kwargs):
     method = _is_update(args, kwargs)
     coro = wrapped(*args, **kwargs)
-    if method is None or not inspect.isawaitable(coro):
+    if not inspect.isawaitable(coro):
         return coro
+    if method is None:
+        if not _RPC_ERROR_LISTENERS:
+            return coro
+
+        async def _watch():
+            try:
+                return await coro
+            except BaseException as e:
+                _rpc_failed(instance, "?", e)
+                raise
+
+        return _watch()
 
     async def _run():
-        result = await coro
+        try:
+            result = await coro
+        except BaseException as e:
+            _rpc_failed(instance, method, e)
+            raise
         fire(instance, f"collective_rpc:{method}", "frontend")
         return result
 
@@ -161,9 +258,14 @@ def _async_rpc_wrapper(wrapped, instance, args, kwargs):
 # ---------------------------------------------------------------- workers
 def _worker_update_wrapper(source: str):
     def wrapper(wrapped, instance, args, kwargs):
+        outermost = _DEPTH.n == 0
         _DEPTH.n += 1
         try:
-            result = wrapped(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                if outermost:
+                    for factory in list(_SCOPES):
+                        stack.enter_context(factory(source, instance, args, kwargs))
+                result = wrapped(*args, **kwargs)
         finally:
             _DEPTH.n -= 1
         if _DEPTH.n == 0:
@@ -175,13 +277,18 @@ def _worker_update_wrapper(source: str):
 
 def _model_load_weights_wrapper(worker_ref):
     def wrapper(wrapped, instance, args, kwargs):
+        worker = worker_ref()
+        router = _LOAD_ROUTER
+        fire_now = True
         _DEPTH.n += 1
         try:
-            result = wrapped(*args, **kwargs)
+            if router is not None and worker is not None and _DEPTH.n == 1:
+                result, fire_now = router(wrapped, instance, worker, args, kwargs)
+            else:
+                result = wrapped(*args, **kwargs)
         finally:
             _DEPTH.n -= 1
-        worker = worker_ref()
-        if _DEPTH.n == 0 and worker is not None:
+        if _DEPTH.n == 0 and worker is not None and fire_now:
             fire(worker, "model.load_weights", "worker")
         return result
 

@@ -109,13 +109,13 @@ def salt_key(g: engine_core.Guard) -> str | None:
 
 def before_rpc(g: engine_core.Guard, method: str) -> None:
     st = _state(g)
-    if st["inflight"] == "refuse" and engine_core.starts_update(method):
+    if g.inflight(st["inflight"]) == "refuse" and engine_core.starts_update(method):
         running = g.running()
         if running:
             raise RuntimeError(
                 f"vllm-rlpatch: weight update {method!r} refused: {len(running)} request(s) are running "
-                "(VLLM_RLPATCH_INFLIGHT=refuse). Wait for them, pause generation, or choose "
-                "VLLM_RLPATCH_INFLIGHT=recompute|abort|keep.")
+                f"({'inflight=refuse' if g.inflight_override else 'VLLM_RLPATCH_INFLIGHT=refuse'}). Wait for them, "
+                "pause generation, or choose recompute|abort|keep.")
 
 
 def _reset(g: engine_core.Guard, st: dict[str, Any], reason: str) -> bool:
@@ -147,7 +147,7 @@ def _recompute_running(g: engine_core.Guard, st: dict[str, Any]) -> int:
 
 def on_update(g: engine_core.Guard, info: engine_core.UpdateInfo) -> None:
     st = _state(g)
-    m, policy = st["mode"], st["inflight"]
+    m, policy = st["mode"], g.inflight(st["inflight"])
     if policy == "refuse" and info.running:
         logger.error("vllm-rlpatch: weights changed through %s while %d request(s) were running although "
                      "VLLM_RLPATCH_INFLIGHT=refuse (a path the plugin cannot refuse in advance); recomputing them",
@@ -156,11 +156,13 @@ def on_update(g: engine_core.Guard, info: engine_core.UpdateInfo) -> None:
     done = []
     if policy == "recompute":
         n = _recompute_running(g, st)
+        g.last_update["recomputed"] = n
         if n:
             done.append(f"{n} running request(s) preempted, KV rebuilt with the new weights")
     elif policy == "abort":
         ids = g.abort_running(f"weights changed (VLLM_RLPATCH_INFLIGHT=abort, via {info.source})")
         st["aborted"] += len(ids)
+        g.last_update["aborted"] = list(ids)
         if ids:
             done.append(f"{len(ids)} running request(s) aborted")
     elif policy == "keep" and info.running:

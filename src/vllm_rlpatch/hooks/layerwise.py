@@ -1,0 +1,332 @@
+"""Strict layerwise reloading: no layer is ever processed half-loaded, none silently keeps old weights.
+
+vLLM (0.20 - 0.32) reloads weights in place through ``model_loader/reload/layerwise.py``: every layer is
+put back on the meta device, the loads into it are buffered, and the layer is processed (and copied into
+its old storage) once all its elements arrived. ``finalize_layerwise_processing`` then deals with the
+rest, silently:
+
+* a layer that received *some* of its elements (a fused qkv/gate_up whose q arrived but not k and v) is
+  processed anyway ("Delayed processing", DEBUG), the missing part taken from ``torch.empty_strided``:
+  uninitialised memory;
+* a layer that received *nothing* keeps its old weights with one WARNING ("Failed to load weights");
+* a tied head (``lm_head`` sharing ``embed_tokens.weight``) receives nothing by design; its storage is
+  updated through the embedding, but its own post-processing is not re-run, so a CPU head repacked from
+  the old weights keeps computing with them (vLLM 0.32 CPU, seen here).
+
+:func:`strict` (a context manager) makes a reload strict while it is active, and the ``refit_guard`` patch
+makes every reload in the process strict: a half-loaded layer is **not** processed (its old weights are
+put back, whole) and the reload raises :class:`LayerwiseError` naming the layers; a layer with parameters
+that received nothing raises too when the update claims to be complete (``require_full``); a tied layer is
+re-processed from its updated storage (unquantized heads only; a quantized one is reported).
+
+The wrapping is one owner (``layerwise_hook``) on ``layerwise.finalize_layerwise_processing`` and
+``layerwise._layerwise_process`` (both looked up as module globals at call time in all three versions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+from typing import Any, Iterator
+
+from vllm_rlpatch import _wrapping
+
+logger = logging.getLogger("vllm.rlpatch")
+
+OWNER = "layerwise_hook"
+MODULE = "vllm.model_executor.model_loader.reload.layerwise"
+FINALIZE = f"{MODULE}:finalize_layerwise_processing"
+PROCESS = f"{MODULE}:_layerwise_process"
+TARGETS = (FINALIZE, PROCESS)
+MIXED_MARK = "[vllm-rlpatch:mixed-weights]"
+
+
+class LayerwiseError(RuntimeError):
+    """A reload that would have processed a half-loaded layer, or left a layer with its old weights."""
+
+    def __init__(self, message: str, findings: "Findings"):
+        super().__init__(message)
+        self.findings = findings
+
+
+@dataclasses.dataclass
+class Findings:
+    half: list[str] = dataclasses.field(default_factory=list)  # "name (got/total elements)"
+    empty: list[str] = dataclasses.field(default_factory=list)
+    tied: list[str] = dataclasses.field(default_factory=list)  # re-processed from the shared storage
+    tied_unsupported: list[str] = dataclasses.field(default_factory=list)
+    processed: int = 0  # layers written (processed and copied into their storage)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Policy:
+    require_full: bool = False  # a layer with parameters that received nothing is an error
+    raise_errors: bool = True
+    findings: Findings = dataclasses.field(default_factory=Findings)
+    processed_ptrs: set = dataclasses.field(default_factory=set)  # ids of parameters written in this reload
+
+
+class _Tls(threading.local):
+    stack: list[Policy]
+    implicit: Policy | None
+
+    def __init__(self) -> None:
+        self.stack = []
+        self.implicit = None  # the process-wide default policy's state for the reload in progress
+
+
+_TLS = _Tls()
+_LOCK = threading.RLock()
+_users: set[str] = set()
+_mixed: str | None = None  # the last reload in this process left old and new layers (cleared by a complete one)
+_default: Policy | None = None  # set by the refit_guard patch: every reload in the process is strict
+
+
+def _current() -> Policy | None:
+    if _TLS.stack:
+        return _TLS.stack[-1]
+    if _default is not None:
+        if _TLS.implicit is None:
+            _TLS.implicit = Policy(require_full=_default.require_full)
+        return _TLS.implicit
+    return None
+
+
+@contextlib.contextmanager
+def strict(require_full: bool = False, raise_errors: bool = True) -> Iterator[Policy]:
+    """Make reloads inside this block strict (installs the hook for the block if nobody else has)."""
+    pol = Policy(require_full=require_full, raise_errors=raise_errors)
+    require("strict-block")
+    _TLS.stack.append(pol)
+    try:
+        yield pol
+    finally:
+        _TLS.stack.pop()
+        release("strict-block")
+
+
+@contextlib.contextmanager
+def using(pol: Policy) -> Iterator[Policy]:
+    """Make an existing policy current (a session spanning several calls keeps one policy)."""
+    require("strict-block")
+    _TLS.stack.append(pol)
+    try:
+        yield pol
+    finally:
+        _TLS.stack.pop()
+        release("strict-block")
+
+
+def set_default(require_full: bool | None) -> None:
+    """``None``: reloads outside a :func:`strict` block behave as vLLM's; else strict with that setting."""
+    global _default
+    _default = None if require_full is None else Policy(require_full=require_full)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _lw():
+    import vllm.model_executor.model_loader.reload.layerwise as lw
+
+    return lw
+
+
+def _is_deferred_attention(lw, layer) -> bool:
+    fn = getattr(lw, "is_deferred_attention_layer", None)
+    if fn is not None:
+        return bool(fn(layer))
+    classes = tuple(c for c in (getattr(lw, "Attention", None), getattr(lw, "MLAAttention", None)) if c)
+    return bool(classes) and isinstance(layer, classes)
+
+
+def _is_embedding(layer) -> bool:
+    try:
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(layer, VocabParallelEmbedding)
+
+
+def _layer_name(model, layer) -> str:
+    for n, m in model.named_modules():
+        if m is layer:
+            return n or type(layer).__name__
+    return type(layer).__name__
+
+
+def _reprocess_tied(layer) -> bool:
+    """Re-run an unquantized layer's post-processing on its (updated, shared) storage."""
+    qm = getattr(layer, "quant_method", None)
+    if qm is None:
+        return True
+    if "Unquantized" not in type(qm).__name__:
+        return False
+    qm.process_weights_after_loading(layer)
+    return True
+
+
+# ------------------------------------------------------------------------------------------ wrappers
+def _process_wrapper(wrapped, instance, args, kwargs):
+    pol = _current()
+    if pol is not None:
+        info = args[1] if len(args) > 1 else kwargs.get("info")
+        kt = getattr(info, "kernel_tensors", None)
+        if kt:
+            for t in kt[0].values():
+                if t is not None and t.numel() > 0:
+                    pol.processed_ptrs.add(id(t))  # the parameter objects a tied layer shares
+            pol.findings.processed += 1
+    return wrapped(*args, **kwargs)
+
+
+def _finalize_wrapper(wrapped, instance, args, kwargs):
+    global _mixed
+    pol = _current()
+    if pol is None:
+        return wrapped(*args, **kwargs)
+    _TLS.implicit = None  # the next reload starts afresh
+    lw = _lw()
+    model = args[0] if args else kwargs.get("model")
+    f = pol.findings
+    tied_layers = []
+    infos = getattr(lw, "LAYERWISE_INFO", {})
+    for name, layer in model.named_modules():
+        info = infos.get(layer)
+        if info is None or not info.can_load() or _is_deferred_attention(lw, layer):
+            continue
+        total, got = int(info.load_numel_total or 0), int(info.load_numel or 0)
+        if total <= 0:
+            continue
+        if 0 < got < total and not _is_embedding(layer):
+            # never processed half-loaded: forget the partial loads, vLLM puts the kernel tensors back
+            f.half.append(f"{name or type(layer).__name__} ({got}/{total} elements)")
+            info.load_numel = 0
+            info.loaded_weights.clear()
+            logger.error("vllm-rlpatch: %s received %d of its %d elements in this reload: keeping its previous "
+                         "weights instead of processing it from uninitialised memory", name, got, total)
+            continue
+        if got == 0:
+            params = (info.kernel_tensors or ({}, {}))[0]
+            if not params:
+                continue  # buffers only (rotary caches): nothing a checkpoint carries
+            ids = {id(t) for t in params.values() if t is not None and t.numel() > 0}
+            if ids and ids <= pol.processed_ptrs:
+                tied_layers.append((name, layer))
+            else:
+                f.empty.append(name or type(layer).__name__)
+    # vLLM would log "Failed to load weights" for each empty/tied layer; say what it really is instead
+    lw_logger = getattr(lw, "logger", None)
+    quiet = lw_logger is not None
+    if quiet:
+        old_disabled = lw_logger.disabled
+        lw_logger.disabled = True
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        if quiet:
+            lw_logger.disabled = old_disabled
+    for name, layer in tied_layers:
+        try:
+            if _reprocess_tied(layer):
+                f.tied.append(name)
+            else:
+                f.tied_unsupported.append(name)
+        except Exception as e:  # noqa: BLE001 - reported below
+            f.tied_unsupported.append(f"{name} ({type(e).__name__}: {e})")
+    if f.tied:
+        logger.info("vllm-rlpatch: re-processed tied layer(s) %s from their updated shared storage", ", ".join(f.tied))
+    if f.empty and not pol.require_full:
+        logger.info("vllm-rlpatch: %d layer(s) received no weights in this reload and keep their previous ones: %s",
+                    len(f.empty), ", ".join(f.empty[:6]) + (" ..." if len(f.empty) > 6 else ""))
+    problems = []
+    if f.half:
+        problems.append(f"{len(f.half)} layer(s) received only part of their elements and kept their previous "
+                        f"weights: {', '.join(f.half[:6])}")
+    if f.empty and pol.require_full:
+        problems.append(f"{len(f.empty)} layer(s) received no weights: {', '.join(f.empty[:6])}")
+    if f.tied_unsupported:
+        problems.append(f"tied layer(s) {', '.join(f.tied_unsupported)} could not be re-processed (quantized head)")
+    if not problems and (pol.require_full or not f.empty):
+        _mixed = None  # a complete reload: whatever mix there was is gone
+    if problems and pol.raise_errors:
+        mixed = f.processed > 0
+        msg = "vllm-rlpatch: incomplete weight reload: " + "; ".join(problems)
+        if mixed:
+            msg = (f"{MIXED_MARK} {msg}. {f.processed} other layer(s) already hold the new weights: the model is a "
+                   "mix of old and new weights")
+            _mixed = msg
+        raise LayerwiseError(msg, f)
+    return result
+
+
+def require(user: str) -> None:
+    from vllm_rlpatch._startup import when_imported
+
+    with _LOCK:
+        first = not _users
+        _users.add(user)
+        if first:
+            when_imported(MODULE, _install)
+
+
+def release(user: str) -> None:
+    with _LOCK:
+        _users.discard(user)
+        if _users:
+            return
+        for t in TARGETS:
+            _wrapping.unwrap(t, OWNER)
+
+
+def _install(module: Any = None) -> None:
+    with _LOCK:
+        if not _users:
+            return
+        for t in TARGETS:
+            if not _wrapping.target_exists(t):
+                logger.warning("vllm-rlpatch: %s missing: strict reloads unavailable in this vLLM", t)
+                return
+        _wrapping.wrap(FINALIZE, _finalize_wrapper, OWNER)
+        _wrapping.wrap(PROCESS, _process_wrapper, OWNER)
+
+
+def mixed() -> str | None:
+    """Why the model in this process holds a mix of old and new layers (None: it does not)."""
+    return _mixed
+
+
+def clear_mixed() -> None:
+    global _mixed
+    _mixed = None
+
+
+# ------------------------------------------------------------------------------------------ sessions
+def reload_active(model) -> bool:
+    """Is a layerwise reload in progress on ``model`` (vLLM's own, or one of ours)?"""
+    try:
+        infos = _lw().LAYERWISE_INFO
+    except Exception:
+        return False
+    for layer in model.modules():
+        info = infos.get(layer)
+        if info is not None and info.can_load():
+            return True
+    return False
+
+
+def half_loaded(model) -> list[str]:
+    """Layers of an open reload that received part of their elements (not yet processed)."""
+    lw = _lw()
+    out = []
+    for name, layer in model.named_modules():
+        info = lw.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load() or _is_deferred_attention(lw, layer) or _is_embedding(layer):
+            continue
+        total, got = int(info.load_numel_total or 0), int(info.load_numel or 0)
+        if 0 < got < total:
+            out.append(name)
+    return out

@@ -1,0 +1,295 @@
+"""Refit over HTTP: routes on ``vllm serve`` (installed by the ``refit_http`` patch) and the client target.
+
+Routes (JSON only, never pickle; every one needs ``Authorization: Bearer <token>``, and by default the
+client must be on loopback, see ``VLLM_RLPATCH_HTTP_REMOTE``):
+
+    GET  /rlpatch/v1/weight_version   {"version": N}
+    GET  /rlpatch/v1/describe         per-worker schema (names, shapes, dtypes), device, rank
+    GET  /rlpatch/v1/fingerprint      per-worker fingerprint of every parameter and buffer
+    POST /rlpatch/v1/refit            body: the refit request (metadata + transport spec); returns the outcome
+
+The token is ``VLLM_RLPATCH_HTTP_TOKEN`` if set; otherwise the server generates one and writes it to
+``~/.cache/vllm-rlpatch/http-token-<port>`` (mode 0600), where a client on the same host finds it.
+Completion and chat-completion responses carry ``rlpatch_weight_versions`` on every choice (spans
+``[start, end, version, kv_version]`` over its output tokens; not in streamed chunks).
+"""
+
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.api import _Target, coordinate_on_async, run_async
+
+logger = logging.getLogger("vllm.rlpatch")
+
+PREFIX = "/rlpatch/v1"
+
+
+def token_path(port: int | str) -> str:
+    base = os.path.join(os.path.expanduser("~"), ".cache", "vllm-rlpatch")
+    return os.path.join(base, f"http-token-{port}")
+
+
+def _server_token(port: Any) -> tuple[str, str]:
+    from vllm_rlpatch import envs
+
+    tok = envs.HTTP_TOKEN.get()
+    if tok:
+        return tok, "VLLM_RLPATCH_HTTP_TOKEN"
+    tok = secrets.token_urlsafe(32)
+    path = token_path(port)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path + ".tmp", os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(tok)
+    os.replace(path + ".tmp", path)
+    return tok, path
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+# ------------------------------------------------------------------------------------------ server
+# (no `from __future__ import annotations` in this module: FastAPI reads the handlers' annotations at run
+# time, and `request: Request` must resolve to the class, not to a string naming a local import)
+def install_routes(app: Any) -> None:
+    """Add the refit routes to a vLLM FastAPI app (idempotent)."""
+    if getattr(app.state, "rlpatch_routes", False):
+        return
+    from fastapi import APIRouter, Request
+    from fastapi.responses import JSONResponse
+
+    from vllm_rlpatch import envs
+
+    args = getattr(app.state, "args", None)
+    port = getattr(args, "port", None) or "default"
+    token, where = _server_token(port)
+    allow_remote = envs.HTTP_REMOTE.get()
+    router = APIRouter()
+
+    def _deny(request: Request) -> JSONResponse | None:
+        client = request.client.host if request.client else None
+        if not allow_remote and not _is_loopback(client):
+            return JSONResponse({"error": f"refit routes accept loopback clients only (client {client}); set "
+                                          "VLLM_RLPATCH_HTTP_REMOTE=1 on the server to allow others"}, status_code=403)
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not given or not hmac.compare_digest(given.encode(), token.encode()):
+            return JSONResponse({"error": "missing or wrong bearer token (Authorization: Bearer <token>; the server's "
+                                          "token is VLLM_RLPATCH_HTTP_TOKEN or the file it logged at start-up)"},
+                                status_code=401)
+        return None
+
+    def _engine(request: Request):
+        return request.app.state.engine_client
+
+    @router.get(PREFIX + "/weight_version")
+    async def weight_version(request: Request):
+        if (d := _deny(request)) is not None:
+            return d
+        vs = await _engine(request).collective_rpc("rlpatch_weight_version")
+        return {"version": max(int(v) for v in vs), "workers": [int(v) for v in vs]}
+
+    @router.get(PREFIX + "/describe")
+    async def describe(request: Request):
+        if (d := _deny(request)) is not None:
+            return d
+        return {"workers": await _engine(request).collective_rpc("rlpatch_refit_describe")}
+
+    @router.get(PREFIX + "/fingerprint")
+    async def fingerprint(request: Request):
+        if (d := _deny(request)) is not None:
+            return d
+        return {"workers": await _engine(request).collective_rpc("rlpatch_fingerprint")}
+
+    @router.post(PREFIX + "/refit")
+    async def refit(request: Request):
+        if (d := _deny(request)) is not None:
+            return d
+        try:
+            req = await request.json()
+        except Exception:
+            return JSONResponse({"error": "the body is not JSON"}, status_code=400)
+        kind = (req.get("transport") or {}).get("kind")
+        if kind not in ("shm", "dist"):
+            return JSONResponse({"error": f"transport {kind!r} is not accepted over HTTP (shm from this host, or "
+                                          "dist)"}, status_code=400)
+        if kind == "shm" and not _is_loopback(request.client.host if request.client else None):
+            return JSONResponse({"error": "the shm transport needs the trainer on the server's host"},
+                                status_code=400)
+        for key in ("txid", "tensors"):
+            if key not in req:
+                return JSONResponse({"error": f"the refit request has no {key!r}"}, status_code=400)
+        engine = _engine(request)
+        out = await coordinate_on_async(engine, req, lambda g: run_async(g, _rpc(engine)))
+        return out
+
+    app.include_router(router)
+    app.state.rlpatch_routes = True
+    logger.info("vllm-rlpatch: refit routes at %s/* (%s clients; bearer token from %s)", PREFIX,
+                "any" if allow_remote else "loopback", where)
+
+
+def _rpc(engine):
+    async def rpc(method, args, kwargs):
+        return await engine.collective_rpc(method, args=args, kwargs=kwargs)
+
+    return rpc
+
+
+def build_app_wrapper(wrapped, instance, args, kwargs):
+    app = wrapped(*args, **kwargs)
+    try:
+        install_routes(app)
+    except Exception:
+        logger.exception("vllm-rlpatch: could not install the refit routes")
+    return app
+
+
+# ------------------------------------------------------------------------------------------ spans in responses
+def _spans(output) -> list[list[int]] | None:
+    spans = getattr(output, "rlpatch_weight_versions", None)
+    return [list(s) for s in spans] if spans else None
+
+
+def _annotate(choices, outputs) -> None:
+    for choice, out in zip(choices, outputs):
+        spans = _spans(out)
+        if spans is not None:
+            try:
+                setattr(choice, "rlpatch_weight_versions", spans)
+            except Exception:
+                pass
+
+
+def completion_response_wrapper(wrapped, instance, args, kwargs):
+    resp = wrapped(*args, **kwargs)
+    batch = args[0] if args else kwargs.get("final_res_batch")
+    try:
+        outs = [o for r in batch for o in r.outputs]
+        if getattr(resp, "choices", None) is not None and len(outs) == len(resp.choices):
+            _annotate(resp.choices, outs)
+    except Exception:
+        logger.debug("vllm-rlpatch: could not annotate a completion response", exc_info=True)
+    return resp
+
+
+def chat_full_wrapper(wrapped, instance, args, kwargs):
+    last: list[Any] = []
+    args = list(args)
+    key = None
+    if len(args) > 1:
+        gen = args[1]
+    else:
+        key, gen = "result_generator", kwargs.get("result_generator")
+
+    async def tap(g):
+        async for item in g:
+            last[:] = [item]
+            yield item
+
+    if gen is not None:
+        if key is None:
+            args[1] = tap(gen)
+        else:
+            kwargs[key] = tap(gen)
+
+    async def run():
+        resp = await wrapped(*args, **kwargs)
+        try:
+            if last and getattr(resp, "choices", None) is not None:
+                _annotate(resp.choices, last[0].outputs)
+        except Exception:
+            logger.debug("vllm-rlpatch: could not annotate a chat response", exc_info=True)
+        return resp
+
+    return run()
+
+
+# ------------------------------------------------------------------------------------------ client
+class HttpTarget(_Target):
+    """``http://host:port`` of a ``vllm serve`` started with the plugin."""
+
+    kind = "http"
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        u = urllib.parse.urlparse(self.url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
+        self.timeout_s = timeout_s
+        self._token = token
+        self.front = None
+
+    def token(self) -> str:
+        if self._token:
+            return self._token
+        from vllm_rlpatch import envs
+
+        tok = envs.HTTP_TOKEN.get()
+        if tok:
+            return tok
+        path = token_path(self.port)
+        if self.same_host() and os.path.exists(path):
+            with open(path) as fh:
+                return fh.read().strip()
+        raise P.RefitError(f"no token for {self.url}: pass token=..., set VLLM_RLPATCH_HTTP_TOKEN, or run on the "
+                           f"server's host (it writes {path})", kind="refused")
+
+    def same_host(self) -> bool:
+        if _is_loopback(self.host):
+            return True
+        try:
+            addrs = {a[4][0] for a in socket.getaddrinfo(self.host, None)}
+            local = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+        except OSError:
+            return False
+        return bool(addrs & local)
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + PREFIX + path, data=data, method=method,
+                                     headers={"Authorization": f"Bearer {self.token()}",
+                                              "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            try:
+                detail = json.loads(e.read()).get("error")
+            except Exception:
+                detail = e.reason
+            kind = "refused" if e.code in (401, 403) else "validation"
+            if e.code == 404:
+                detail = (f"{self.url} has no {PREFIX} routes: the server does not run vllm-rlpatch (or "
+                          "VLLM_RLPATCH_REFIT_HTTP=0)")
+                kind = "refused"
+            raise P.RefitError(f"{method} {PREFIX}{path}: HTTP {e.code}: {detail}", kind=kind) from None
+        except urllib.error.URLError as e:
+            raise P.RefitError(f"{self.url}: {e.reason}", kind="transport") from None
+
+    def describe(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/describe")["workers"]
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/refit", req)
+
+    def version(self) -> int:
+        return int(self._call("GET", "/weight_version")["version"])
+
+    def fingerprint(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/fingerprint")["workers"]

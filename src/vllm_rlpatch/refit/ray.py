@@ -1,0 +1,110 @@
+"""A Ray actor that hosts a ``vllm.LLM`` (or ``LLMEngine``) as a refit target.
+
+``push_weights(actor_handle, ...)`` runs the coordinator inside the actor through Ray's built-in
+``__ray_call__`` (the actor's class needs no method of ours): it finds the engine among the actor's
+attributes (or the one named by ``engine_attr``) and drives the worker RPCs there. The bytes go through
+``shm`` when the actor is on the caller's node, ``dist`` otherwise.
+
+The functions below are pickled by reference (``vllm_rlpatch.refit.ray._in_actor_*``): if vllm-rlpatch is
+not importable in the actor's environment, Ray cannot even load them and the call fails; that is turned
+into a :class:`RefitError` saying so, as is an engine whose workers do not run the plugin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.api import _Target
+
+
+def _find_engine(actor: Any, attr: str | None) -> Any:
+    from vllm_rlpatch.refit.api import _is_async_llm
+
+    if attr is not None:
+        if not hasattr(actor, attr):
+            raise P.RefitError(f"the actor has no attribute {attr!r}", kind="validation")
+        return getattr(actor, attr)
+    found = []
+    for name, v in vars(actor).items():
+        if _is_async_llm(v) or (hasattr(v, "collective_rpc") and (hasattr(v, "llm_engine") or hasattr(v, "engine_core"))):
+            found.append((name, v))
+    if len(found) != 1:
+        names = ", ".join(n for n, _ in found) or "none"
+        raise P.RefitError(f"cannot tell which attribute of the actor is the vLLM engine (candidates: {names}); "
+                           "pass engine_attr=", kind="validation")
+    return found[0][1]
+
+
+def _in_actor_describe(actor: Any, attr: str | None) -> dict[str, Any]:
+    import ray
+
+    from vllm_rlpatch.refit.api import resolve
+
+    tgt = resolve(_find_engine(actor, attr))
+    return {"workers": tgt.describe(), "node": ray.get_runtime_context().get_node_id()}
+
+
+def _in_actor_run(actor: Any, attr: str | None, req: dict[str, Any]) -> dict[str, Any]:
+    from vllm_rlpatch.refit.api import resolve
+
+    return resolve(_find_engine(actor, attr)).run(req)
+
+
+def _in_actor_version(actor: Any, attr: str | None) -> int:
+    from vllm_rlpatch.refit.api import resolve
+
+    return resolve(_find_engine(actor, attr)).version()
+
+
+class RayTarget(_Target):
+    kind = "ray"
+
+    def __init__(self, handle: Any, engine_attr: str | None = None):
+        self.handle = handle
+        self.attr = engine_attr
+        self.front = None
+        self._node: str | None = None
+
+    def _call(self, fn, *args):
+        import ray
+
+        try:
+            return ray.get(self.handle.__ray_call__.remote(fn, self.attr, *args))
+        except P.RefitError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Ray wraps what happened in the actor
+            text = f"{type(e).__name__}: {e}"
+            if "No module named 'vllm_rlpatch'" in text or ("vllm_rlpatch" in text and "ModuleNotFoundError" in text):
+                raise P.RefitError("vllm-rlpatch is not importable in the Ray actor's environment: install it there "
+                                   "(pip in the image, or runtime_env={'pip': ['vllm-rlpatch']}) so the engine's "
+                                   "processes load the plugin", kind="refused") from e
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, P.RefitError):
+                raise cause from e
+            if "RefitError" in text:
+                line = next((ln for ln in str(e).splitlines() if "RefitError" in ln), text)
+                raise P.RefitError(line.split("RefitError: ", 1)[-1], kind="refused") from e
+            raise P.RefitError(f"Ray actor call failed: {text.splitlines()[0]}", kind="commit") from e
+
+    def describe(self) -> list[dict[str, Any]]:
+        d = self._call(_in_actor_describe)
+        self._node = d["node"]
+        return d["workers"]
+
+    def same_host(self) -> bool:
+        import ray
+
+        if self._node is None:
+            self.describe()
+        try:
+            here = ray.get_runtime_context().get_node_id()
+        except Exception:
+            return False
+        return here == self._node
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        return self._call(_in_actor_run, req)
+
+    def version(self) -> int:
+        return int(self._call(_in_actor_version))

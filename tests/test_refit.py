@@ -1,0 +1,278 @@
+"""The refit API (vllm_rlpatch.refit.push_weights) and the refit_guard patch on real vLLM.
+
+Each engine runs in tests/scripts/refit_engine.py (one process per configuration, shared by the tests of a
+module): an update must give the same greedy tokens and logprobs as a fresh engine loaded from the same new
+weights (exactly: a correct refit changes nothing else), agree with a float32 transformers reference within
+bf16 tolerance, carry its weight version on every output, and every bad input must be refused with a clear
+error while the old weights stay bit-identical (fingerprint) and the engine keeps serving. The unpatched
+bugs are reproduced on stock vLLM (plugin disabled) in the same run.
+"""
+
+import json
+import math
+
+import pytest
+
+import reference as R
+from conftest import model_path, run_script
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["the quick cat sees", "12 + 7 =", "count: 3 4 5", "the small model updates the"]
+GREEDY = {"prompts": PROMPTS, "sampling": {"temperature": 0.0, "max_tokens": 16, "logprobs": 0}}
+EXT = "helpers_ext.FrameworkExtension"
+STOCK = {"VLLM_RLPATCH_ENABLED": "0"}
+# every class of bad input a trainer can send (see tests/scripts/refit_engine.py for what each one does)
+BAD = ["unknown", "missing", "shape", "dtype", "nan", "inf", "duplicate", "empty", "not_tensor", "half_layer",
+       "sender_stops"]
+EXPECT = {  # case -> (error kind, engine state afterwards)
+    "unknown": ("validation", "unchanged"), "missing": ("validation", "unchanged"),
+    "shape": ("validation", "unchanged"), "dtype": ("validation", "unchanged"),
+    "nan": ("validation", "unchanged"), "inf": ("validation", "unchanged"),
+    "duplicate": ("validation", "unchanged"), "empty": ("validation", "unchanged"),
+    "not_tensor": ("validation", "unchanged"), "half_layer": ("commit", "restored"),
+    "sender_stops": ("transport", "unchanged"), "old_version": ("validation", "unchanged"),
+    "asleep": ("refused", "unchanged"), "tied_mismatch": ("validation", "unchanged"),
+}
+WORDS = {"unknown": "did you mean", "missing": "not in the update", "shape": "shape", "dtype": "allow_cast",
+         "nan": "NaN", "inf": "infinite", "duplicate": "appears 2 times", "empty": "no tensors",
+         "not_tensor": "not a torch.Tensor", "half_layer": "received only part of their elements",
+         "sender_stops": "did not arrive", "old_version": "not greater than", "asleep": "asleep",
+         "tied_mismatch": "ties them"}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    d = tmp_path_factory.mktemp("w")
+    out = {}
+    for name in ("llama-tiny", "qwen2-tiny"):
+        out[name] = {"A": model_path(name),
+                     "B": R.perturbed_copy(model_path(name), str(d / f"{name}-B"), scale=1.0, seed=7),
+                     "C": R.perturbed_copy(model_path(name), str(d / f"{name}-C"), scale=1.0, seed=8)}
+    return out
+
+
+def _run(tmp_path, engine, weights_dirs, ops, tied=False, **env):
+    spec = {"engine": engine, "weights": weights_dirs, "tied": tied, "ops": ops}
+    f = tmp_path / "spec.json"
+    f.write_text(json.dumps(spec))
+    r, log = run_script("refit_engine.py", str(f), cwd=tmp_path, **env)
+    r["log"] = log
+    return r["ops"] | {"_log": log}
+
+
+def _gen(name):
+    return {"op": "generate", "name": name, **GREEDY}
+
+
+def _fp(name):
+    return {"op": "fingerprint", "name": name}
+
+
+def _bad_ops(cases):
+    ops = []
+    for b in cases:
+        ops += [{"op": "push", "name": f"bad_{b}", "bad": b}, _fp(f"fp_{b}")]
+    return ops
+
+
+# ------------------------------------------------------------------------------------------ engines
+@pytest.fixture(scope="module")
+def main(tmp_path_factory, weights):
+    """llama-tiny with the plugin and a framework's own worker extension (composed with ours)."""
+    w = weights["llama-tiny"]
+    ops = [_gen("g0"), _fp("fp0"), *_bad_ops(BAD), _gen("g0_after_bad"),
+           {"op": "sleep", "name": "sleep"}, {"op": "push", "name": "bad_asleep"}, _fp("fp_asleep"),
+           {"op": "wake_up", "name": "wake"},
+           {"op": "push", "name": "push_B"}, {"op": "version", "name": "v_B"}, _gen("g_B"), _fp("fp_B"),
+           {"op": "push", "name": "bad_old_version", "bad": "old_version"}, _fp("fp_old_version"),
+           {"op": "push", "name": "direct_nan", "bad": "direct_nan"}, _gen("g_poisoned"),
+           {"op": "push", "name": "push_C_direct", "weights": "C", "kw": {"mode": "direct", "version": 10}},
+           {"op": "version", "name": "v_C"}, _gen("g_C"),
+           {"op": "rpc", "name": "per_param", "method": "framework_load_per_param",
+            "args": [w["B"] + "/model.safetensors"]},
+           {"op": "version", "name": "v_per_param"}, _gen("g_per_param"),
+           {"op": "rpc", "name": "two_calls", "method": "framework_reload_in_two_calls",
+            "args": [w["C"] + "/model.safetensors"]}, _gen("g_two_calls"),
+           {"op": "push", "name": "push_B_dist", "kw": {"transport": "dist", "bucket_bytes": 256 << 10}},
+           _gen("g_B_dist"), {"op": "version", "name": "v_B_dist"}]
+    return _run(tmp_path_factory.mktemp("main"), {"model": model_path(), "worker_extension_cls": EXT},
+                {"B": w["B"], "C": w["C"]}, ops)
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory, weights):
+    """Stock vLLM (plugin disabled) started on the new weights B: the fresh-engine reference, and the bugs."""
+    w = weights["llama-tiny"]
+    ops = [_gen("g_B"),
+           {"op": "rpc", "name": "two_calls", "method": "framework_reload_in_two_calls",
+            "args": [w["C"] + "/model.safetensors"]}, _gen("g_two_calls"),
+           {"op": "rpc", "name": "per_param", "method": "framework_load_per_param",
+            "args": [w["B"] + "/model.safetensors"]}, _gen("g_per_param")]
+    return _run(tmp_path_factory.mktemp("stock"), {"model": w["B"], "worker_extension_cls": EXT}, {}, ops, **STOCK)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory, weights):
+    """The tied-embedding model: the trainer's state dict carries lm_head.weight (= embed_tokens.weight)."""
+    w = weights["qwen2-tiny"]
+    ops = [_gen("g0"), _fp("fp0"), {"op": "push", "name": "bad_tied_mismatch", "bad": "tied_mismatch"},
+           _fp("fp_tied_mismatch"), {"op": "push", "name": "push_B"}, _gen("g_B"),
+           {"op": "push", "name": "push_C", "weights": "C"}, _gen("g_C")]
+    return _run(tmp_path_factory.mktemp("qwen"), {"model": model_path("qwen2-tiny")}, {"B": w["B"], "C": w["C"]},
+                ops, tied=True)
+
+
+@pytest.fixture(scope="module")
+def stock_qwen(tmp_path_factory, weights):
+    w = weights["qwen2-tiny"]
+    ops = [_gen("g_B"), {"op": "reload", "name": "reload_C", "path": w["C"]}, _gen("g_C")]
+    return _run(tmp_path_factory.mktemp("stock_qwen"), {"model": w["B"]}, {}, ops, **STOCK)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _reqs(run, name):
+    r = run[name]
+    assert "requests" in r, r
+    return r["requests"]
+
+
+def _same(a, b, tol=0.0):
+    """Same tokens, and every logprob within tol (0: bit-identical)."""
+    ra, rb = a, b
+    assert [q["token_ids"] for q in ra] == [q["token_ids"] for q in rb]
+    worst = max(abs(x - y) for qa, qb in zip(ra, rb) for x, y in zip(qa["logprobs"], qb["logprobs"]))
+    assert worst <= tol, worst
+    return worst
+
+
+def _vs_reference(reqs, weights_dir):
+    model = R.load(weights_dir)
+    got, ref = [], []
+    for q in reqs:
+        got += q["logprobs"]
+        ref += R.token_logprobs(model, q["prompt_token_ids"], q["token_ids"])
+    return R.mismatch(got, ref)
+
+
+def _versions(reqs):
+    return {tuple(s[2:]) for q in reqs for s in q["spans"]}
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_a_pushed_update_equals_a_fresh_engine_on_the_new_weights(main, stock, weights):
+    assert main["push_B"]["ok"], main["push_B"]
+    rep = main["push_B"]["report"]
+    assert rep["state"] == "committed" and rep["version"] == 1 and rep["transport"] == "shm"
+    assert rep["bytes"] > 900_000 and rep["tensors"] == 21 and rep["gbps"] > 0
+    assert {"metadata", "finite", "transport_fingerprint", "backup", "strict_reload"} <= set(rep["checks"])
+    assert rep["peak_extra_host_bytes"] > 0 and rep["stages"]["worker_write"] > 0
+    assert _same(_reqs(main, "g_B"), _reqs(stock, "g_B")) == 0.0  # a correct refit gives exactly 0
+    m = _vs_reference(_reqs(main, "g_B"), weights["llama-tiny"]["B"])
+    assert m["token_mult_prob_error"] <= 1.02, m
+    assert main["v_B"]["version"] == 1 and _versions(_reqs(main, "g_B")) == {(1, 1)}
+    assert _versions(_reqs(main, "g0")) == {(0, 0)}
+
+
+def test_every_bad_input_is_refused_and_the_old_weights_stay(main):
+    fp0 = main["fp0"]["workers"]
+    for case in BAD + ["asleep"]:
+        r = main[f"bad_{case}"]
+        assert not r["ok"], (case, r)
+        kind, state = EXPECT[case]
+        assert (r["kind"], r["state"]) == (kind, state), (case, r)
+        assert WORDS[case] in r["message"], (case, r["message"])
+        assert main[f"fp_{case}"]["workers"] == fp0, case  # bit-identical old weights
+    # ... and the engine kept serving exactly as before
+    assert _same(_reqs(main, "g0_after_bad"), _reqs(main, "g0")) == 0.0
+    # a version that does not increase, after an update
+    r = main["bad_old_version"]
+    assert (r["kind"], r["state"]) == EXPECT["old_version"] and WORDS["old_version"] in r["message"]
+    assert main["fp_old_version"]["workers"] == main["fp_B"]["workers"]
+
+
+def test_half_loaded_layer_is_rolled_back_with_verified_fingerprint(main):
+    r = main["bad_half_layer"]
+    assert "qkv_proj" in r["message"] and "fingerprint" in r["message"] and "verified" in r["message"]
+    assert "restore_fingerprint" in r["report"]["checks"]
+
+
+def test_a_failed_direct_update_stops_generation_until_a_good_one(main, weights):
+    r = main["direct_nan"]
+    assert (r["ok"], r["kind"], r["state"]) == (False, "validation", "mixed"), r
+    assert "mixed-weights" in r["message"]
+    assert "request refused" in main["g_poisoned"]["error"]
+    good = main["push_C_direct"]
+    assert good["ok"] and good["report"]["mode"] == "direct" and good["report"]["version"] == 10
+    assert main["v_C"]["version"] == 10 and _versions(_reqs(main, "g_C")) == {(10, 10)}
+    assert _vs_reference(_reqs(main, "g_C"), weights["llama-tiny"]["C"])["token_mult_prob_error"] <= 1.02
+
+
+def test_trainer_style_per_parameter_load_weights_works(main, stock, version):
+    """A framework's worker method calling model.load_weights once per tensor (q, k, v in separate calls):
+    stock vLLM CPU crashes once weights were post-processed (0.25, 0.32); with the plugin it is one
+    update, equal to a fresh engine, counted once."""
+    (res,) = main["per_param"]["result"]
+    assert res == {"ok": True, "calls": 21}, res
+    assert main["v_per_param"]["version"] == 11  # one update for the whole RPC (21 calls), not 21
+    assert _same(_reqs(main, "g_per_param"), _reqs(stock, "g_B")) == 0.0
+    assert _versions(_reqs(main, "g_per_param")) == {(11, 11)}
+    (stock_res,) = stock["per_param"]["result"]
+    if version.startswith(("0.25.", "0.32.")):
+        # the bug, reproduced: it fails part-way, after writing the tensors before the failing one
+        assert not stock_res["ok"] and stock_res["calls"] < 21, stock_res
+        assert ("weight_loader" in stock_res["error"]) or ("torch.Size([0])" in stock_res["error"]), stock_res
+
+
+def test_a_fused_layer_split_across_reload_calls(main, stock, weights):
+    """reload_weights twice, q_proj of layer 0 in the first call and its k/v in the second: stock vLLM
+    processes the qkv layer each time with the missing part from uninitialised memory (garbage weights,
+    silently); with the plugin the first call raises, the layer keeps its old weights and the engine refuses
+    to generate (the rest of the model is already new) until a complete update lands."""
+    s = stock["two_calls"]["result"][0]
+    assert all(c["ok"] for c in s), s  # stock: no error at all ...
+    m = _vs_reference(_reqs(stock, "g_two_calls"), weights["llama-tiny"]["C"])
+    assert m["token_mult_prob_error"] > 1.3, m  # ... and weights that are not C (garbage in layer 0's qkv)
+    p = main["two_calls"]
+    assert "error" in p and "mixed-weights" in p["error"] and "qkv_proj" in p["error"], p
+    assert "request refused" in main["g_two_calls"]["error"]
+    assert main["push_B_dist"]["ok"], main["push_B_dist"]  # a complete update repairs it
+    assert _same(_reqs(main, "g_B_dist"), _reqs(stock, "g_B")) == 0.0
+    assert main["v_B_dist"]["version"] == 12
+
+
+def test_dist_transport_and_report(main):
+    rep = main["push_B_dist"]["report"]
+    assert rep["transport"] == "dist" and rep["state"] == "committed"
+    assert rep["stages"]["send"] > 0 and rep["stages"]["worker_receive"] > 0
+    r = main["bad_sender_stops"]
+    assert "bucket" in r["message"], r  # which bucket did not arrive
+
+
+def test_asleep_engine_refuses_updates(main):
+    assert "wake_up(tags=['weights'])" in main["bad_asleep"]["message"]
+
+
+def test_composed_extension_counts_each_update_once(main):
+    log = main["_log"]
+    for v in (1, 10, 11, 12):
+        assert log.count(f"-> weight version {v} (") == 1, v
+    assert log.count("new requests salted with weight version 11") == 1
+
+
+def test_tied_embedding_model(qwen, stock_qwen, weights, version):
+    w = weights["qwen2-tiny"]
+    r = qwen["bad_tied_mismatch"]
+    assert (r["kind"], r["state"]) == EXPECT["tied_mismatch"] and WORDS["tied_mismatch"] in r["message"], r
+    assert qwen["fp_tied_mismatch"]["workers"] == qwen["fp0"]["workers"]
+    assert qwen["push_B"]["ok"], qwen["push_B"]
+    assert _same(_reqs(qwen, "g_B"), _reqs(stock_qwen, "g_B")) == 0.0
+    assert _vs_reference(_reqs(qwen, "g_C"), w["C"])["token_mult_prob_error"] <= 1.02
+    stock_c = _vs_reference(_reqs(stock_qwen, "g_C"), w["C"])["token_mult_prob_error"]
+    if version.startswith("0.32."):
+        # stock vLLM 0.32 CPU: reload_weights does not re-process the tied head, which keeps computing with the
+        # old (repacked) embedding; the plugin re-processes it (see the push above)
+        assert stock_c > 1.1, stock_c
+        assert "re-processed tied layer(s) lm_head" in qwen["_log"]
+    else:
+        assert stock_c <= 1.02, stock_c
