@@ -100,3 +100,25 @@ def perturbed_copy(src: str, dst: str, scale: float = 0.5, seed: int = 7) -> str
             out[name] = t.clone()
     save_file(out, str(dst_p / "model.safetensors"), metadata={"format": "pt"})
     return str(dst_p)
+
+
+def tiny_moe(dst: str, tokenizer_from: str) -> str:
+    """A Mixtral-shaped MoE model (2 layers, 4 experts, top-2, head_dim 32) with seeded random weights and a
+    sharpened head (lm_head x 20, so greedy decoding is not a coin toss), saved in the checkpoint format
+    vLLM loads, with the tokenizer of ``tokenizer_from``."""
+    import shutil
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                        num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False,
+                        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(dst)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_from) / f, Path(dst) / f)
+    return dst

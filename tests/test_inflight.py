@@ -26,9 +26,11 @@ def new_weights(tmp_path_factory):
     return R.perturbed_copy(model_path(), str(tmp_path_factory.mktemp("w") / "llama-B"), scale=1.0, seed=7)
 
 
-def _run(tmp_path, new_weights, expect_update_error=False, **env):
+def _run(tmp_path, new_weights, expect_update_error=False, push_kw=None, **env):
     spec = {"model": model_path(), "new_weights": new_weights, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "update_after": 8}
+    if push_kw is not None:  # the refit API with a per-update in-flight policy instead of reload_weights
+        spec.update(update="push", push_kw=push_kw)
     f = tmp_path / "spec.json"
     f.write_text(json.dumps(spec))
     r, log = run_script("inflight.py", str(f), cwd=tmp_path, **env)
@@ -59,7 +61,8 @@ def keep(tmp_path_factory, new_weights):
 
 @pytest.fixture(scope="module")
 def abort(tmp_path_factory, new_weights):
-    return _run(tmp_path_factory.mktemp("abort"), new_weights, VLLM_RLPATCH_INFLIGHT="abort")
+    # through the refit API: push_weights(..., inflight="abort") (the engine's own default stays recompute)
+    return _run(tmp_path_factory.mktemp("abort"), new_weights, push_kw={"inflight": "abort"})
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +112,8 @@ def test_keep_reports_the_mixing_instead_of_hiding_it(keep, new_weights):
 
 
 def test_abort_finishes_running_requests_with_abort(abort, new_weights):
+    rep = abort["push_report"]
+    assert rep["ok"] and rep["version"] == 1 and len(rep["aborted_requests"]) == 2, rep  # reported by the API
     for q in abort["inflight"]:
         assert q["finish_reason"] == "abort" and 0 < len(q["token_ids"]) < MAX_TOKENS
         spans = _per_span(q, new_weights)
@@ -125,9 +130,14 @@ def test_a_refused_reset_is_retried_and_never_serves_stale_kv(reset_keep, new_we
     _check_new_requests(reset_keep, new_weights, cached_after=False)
 
 
-def test_refuse_rejects_the_update_before_anything_is_written(tmp_path, new_weights):
-    r = _run(tmp_path, new_weights, expect_update_error=True, VLLM_RLPATCH_INFLIGHT="refuse")
-    assert "refused" in r["update_error"] and "VLLM_RLPATCH_INFLIGHT=refuse" in r["update_error"]
+@pytest.mark.parametrize("how", ["env", "push"])
+def test_refuse_rejects_the_update_before_anything_is_written(tmp_path, new_weights, how):
+    if how == "env":  # reload_weights, refused by VLLM_RLPATCH_INFLIGHT=refuse
+        r = _run(tmp_path, new_weights, expect_update_error=True, VLLM_RLPATCH_INFLIGHT="refuse")
+        assert "refused" in r["update_error"] and "VLLM_RLPATCH_INFLIGHT=refuse" in r["update_error"]
+    else:  # push_weights(..., inflight="refuse"): a RefitError before any byte is written
+        r = _run(tmp_path, new_weights, expect_update_error=True, push_kw={"inflight": "refuse"})
+        assert r["update_error_kind"] == "refused" and "inflight=refuse" in r["update_error"], r["update_error"]
     old = R.load(model_path())
     for q in r["inflight"] + r["during"]:  # the weights never changed: version 0 throughout, old weights
         assert [tuple(s[2:]) for s in q["spans"]] == [(0, 0)], q["spans"]

@@ -213,7 +213,7 @@ def test_a_sender_killed_mid_transfer_leaves_the_engine_serving(server, new_weig
         time.sleep(1)
     with pytest.raises(urllib.error.HTTPError) as e:
         _complete(url)
-    assert "refused" in e.value.read().decode()
+    assert e.value.code in (400, 503) and "refused" in e.value.read().decode()  # 503 from vLLM 0.32 on
     r = _trainer(tmp_path, {"url": url, "weights": new_weights["C"], "kw": {"transport": "dist"}})
     assert r["ok"] and r["version"] == v0 + 1, r
     out, _ = _complete(url)

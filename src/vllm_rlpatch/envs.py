@@ -222,6 +222,7 @@ def validate_environment() -> list[str]:
 def describe() -> list[dict[str, Any]]:
     """The documented variables with their current raw values (for `doctor`)."""
     return [
-        {"name": v.name, "default": v.default, "value": os.environ.get(v.name), "doc": v.doc}
+        {"name": v.name, "default": v.default, "doc": v.doc,
+         "value": ("<set>" if os.environ.get(v.name) and v is HTTP_TOKEN else os.environ.get(v.name))}
         for v in all_vars()
     ]

@@ -7,8 +7,10 @@ SPEC: {"model": DIR, "new_weights": DIR, "prompts": [text, ...], "max_tokens": N
 awaits collective_rpc("reload_weights", weights_path=new_weights) while all requests keep running, then
 collects the final outputs (tokens, the logprob of each sampled token, finish reason, version spans).
 Right after the update, while those still run, each prompt is sent again ("during": its old blocks are
-still held by the running requests); after all finished, once more ("after": the cache is warm). This script
-does not import vllm_rlpatch.
+still held by the running requests); after all finished, once more ("after": the cache is warm).
+With "update": "push" the update is `await vllm_rlpatch.refit.push_weights_async(engine, <new_weights' state
+dict>, **push_kw)` instead (the refit API's per-update `inflight`); otherwise this script does not import
+vllm_rlpatch.
 """
 
 import asyncio
@@ -51,9 +53,21 @@ async def main(spec):
         await asyncio.wait_for(first_tokens.wait(), 300)
         update_error = None
         try:
-            await engine.collective_rpc("reload_weights", kwargs={"weights_path": spec["new_weights"]})
+            if spec.get("update") == "push":
+                import os
+
+                from safetensors.torch import load_file
+
+                from vllm_rlpatch.refit import push_weights_async
+
+                sd = load_file(os.path.join(spec["new_weights"], "model.safetensors"))
+                rep = await push_weights_async(engine, sorted(sd.items()), **spec.get("push_kw", {}))
+                res["push_report"] = rep.as_dict()
+            else:
+                await engine.collective_rpc("reload_weights", kwargs={"weights_path": spec["new_weights"]})
         except Exception as e:
             update_error = f"{type(e).__name__}: {e}"
+            res["update_error_kind"] = getattr(e, "kind", None)
         res["update_error"] = update_error
         # While the first requests still run (and hold the blocks of their prompts): the same prompts again.
         sp2 = vllm.SamplingParams(temperature=1.0, max_tokens=16, logprobs=0, seed=5, ignore_eos=True)

@@ -13,7 +13,8 @@ ops (each result is recorded under its "name"):
   {"op": "reload", "path": DIR}                                     collective_rpc("reload_weights", weights_path=DIR)
   {"op": "sleep", "level": 1} / {"op": "wake_up", "tags": [...]}
 Bad-input CASEs mutate the state dict of "weights" before pushing: unknown, missing, shape, dtype, nan, inf,
-duplicate, empty, not_tensor, old_version, tied_mismatch, half_layer, sender_stops, direct_nan, asleep.
+duplicate, empty, not_tensor, old_version, tied_mismatch, half_layer, sender_stops, direct_nan, asleep,
+hf_fused_experts.
 """
 
 import json
@@ -66,6 +67,16 @@ def mutate(sd, case, torch):
         return [(n, t * 2 if n == "lm_head.weight" else t) for n, t in items], {}
     if case == "half_layer":  # q of one fused qkv without k and v, as a partial update
         return [(first_w, sd[first_w])], {"partial": True}
+    if case == "hf_fused_experts":  # transformers >= 5 in-memory MoE naming: experts packed per layer
+        out = [(n, t) for n, t in items if ".experts." not in n]
+        for layer in sorted({n.split(".experts.")[0] for n, _ in items if ".experts." in n}):
+            e = sorted({int(n.split(".experts.")[1].split(".")[0]) for n, _ in items if n.startswith(layer + ".experts.")})
+            w1 = torch.stack([sd[f"{layer}.experts.{i}.w1.weight"] for i in e])
+            w3 = torch.stack([sd[f"{layer}.experts.{i}.w3.weight"] for i in e])
+            w2 = torch.stack([sd[f"{layer}.experts.{i}.w2.weight"] for i in e])
+            base = layer.replace("block_sparse_moe", "mlp")
+            out += [(f"{base}.experts.gate_up_proj", torch.cat([w1, w3], dim=1)), (f"{base}.experts.down_proj", w2)]
+        return out, {}
     if case == "sender_stops":
         return items, {"transport": "dist", "timeout_s": 8.0, "bucket_bytes": 64 << 10, "_stop_after": 2}
     raise SystemExit(f"unknown case {case}")

@@ -170,8 +170,53 @@ def _reprocess_tied(layer) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ wrappers
+_MOE_SKIPS_EXPERTS: bool | None = None
+
+
+def _moe_update_skips_experts() -> bool:
+    """vLLM 0.32's unquantized MoE method runs the experts' own post-processing (the CPU grouped-GEMM prepack)
+    only on the first load, not when a reload re-processes the layer: the reloaded weights reach the kernel
+    unpacked and the MoE computes with garbage (seen on vLLM 0.32 CPU: stock reload_weights of a Mixtral
+    differs from a fresh engine). Detected from the method's source."""
+    global _MOE_SKIPS_EXPERTS
+    if _MOE_SKIPS_EXPERTS is None:
+        try:
+            import inspect
+
+            from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+            src = inspect.getsource(UnquantizedFusedMoEMethod._setup_kernel)
+            _MOE_SKIPS_EXPERTS = "if not is_weight_update" in src and "fused_experts.process_weights_after_loading" in src
+        except Exception:
+            _MOE_SKIPS_EXPERTS = False
+    return _MOE_SKIPS_EXPERTS
+
+
+def _redo_moe_experts(layer, had_kernel: bool) -> None:
+    if not had_kernel or not _moe_update_skips_experts():
+        return
+    qm = getattr(layer, "quant_method", None)
+    if type(qm).__name__ != "UnquantizedFusedMoEMethod":
+        return
+    fe = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+    if fe is None:
+        return
+    owner = next((c for c in type(fe).__mro__ if "process_weights_after_loading" in c.__dict__), None)
+    if owner is None or owner.__module__.endswith("modular_kernel"):
+        return  # the base class's no-op: nothing was skipped
+    fe.process_weights_after_loading(layer)
+    logger.info("vllm-rlpatch: re-ran %s.process_weights_after_loading for %s (vLLM skips it on weight updates)",
+                type(fe).__name__, type(layer).__name__)
+
+
 def _process_wrapper(wrapped, instance, args, kwargs):
     pol = _current()
+    layer = args[0] if args else kwargs.get("layer")
+    had_kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None
+    if pol is None:
+        result = wrapped(*args, **kwargs)
+        _redo_moe_experts(layer, had_kernel)
+        return result
     if pol is not None:
         info = args[1] if len(args) > 1 else kwargs.get("info")
         kt = getattr(info, "kernel_tensors", None)
@@ -180,7 +225,9 @@ def _process_wrapper(wrapped, instance, args, kwargs):
                 if t is not None and t.numel() > 0:
                     pol.processed_ptrs.add(id(t))  # the parameter objects a tied layer shares
             pol.findings.processed += 1
-    return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    _redo_moe_experts(layer, had_kernel)
+    return result
 
 
 def _finalize_wrapper(wrapped, instance, args, kwargs):

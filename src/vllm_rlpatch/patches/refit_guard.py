@@ -248,8 +248,30 @@ POLICY = engine_core.Policy(NAME, before_rpc=_before_rpc, on_update=_on_update)
 
 # ------------------------------------------------------------------------------------------ front end
 class RequestRefused(RuntimeError, ValueError):
-    """A request an engine with mixed weights refuses (a ValueError too: vLLM's OpenAI server then answers
-    400 with this message instead of an anonymous 500)."""
+    """A request an engine with mixed weights refuses. A ValueError too: vLLM's OpenAI server (0.20 - 0.25)
+    answers 400 with this message instead of an anonymous 500."""
+
+
+_REFUSED_CLS: type | None = None
+
+
+def _refused_class() -> type:
+    """vLLM 0.32+ turns anything but its own error classes raised in ``generate`` into an empty 500; there the
+    refusal is also a ``GracefulHTTPError`` (HTTP 503 with the message: retry after the next update)."""
+    global _REFUSED_CLS
+    if _REFUSED_CLS is None:
+        try:
+            from http import HTTPStatus
+
+            from vllm.exceptions import GracefulHTTPError
+        except ImportError:
+            _REFUSED_CLS = RequestRefused
+        else:
+            def __init__(self, message):
+                GracefulHTTPError.__init__(self, message, HTTPStatus.SERVICE_UNAVAILABLE)
+
+            _REFUSED_CLS = type("RequestRefused", (GracefulHTTPError, RequestRefused), {"__init__": __init__})
+    return _REFUSED_CLS
 
 
 def _front_add_request(wrapped, instance, args, kwargs):
@@ -257,8 +279,8 @@ def _front_add_request(wrapped, instance, args, kwargs):
 
     reason = poisoned(instance)
     if reason is not None:
-        raise RequestRefused(f"vllm-rlpatch: request refused, the engine's weights are not consistent: {reason}. "
-                             "Push a complete update (push_weights) to resume")
+        raise _refused_class()(f"vllm-rlpatch: request refused, the engine's weights are not consistent: "
+                               f"{reason}. Push a complete update (push_weights) to resume")
     return wrapped(*args, **kwargs)
 
 

@@ -332,6 +332,8 @@ class WorkerRefit:
         self.worker_ref = weakref.ref(worker)
         self._schema: P.Schema | None = None
         self.txs: dict[str, _Tx] = {}
+        self.plan = None  # a verified CopyPlan (None: not tried yet; False: not usable here)
+        self.plan_note = "not captured yet (the first complete update captures and verifies it)"
 
     @property
     def worker(self):
@@ -510,16 +512,30 @@ class WorkerRefit:
             tx.source.streaming = True
         findings = None
         error: BaseException | None = None
+        aliases = self.schema().aliases
+        names = {m.name for m in tx.metas if m.name not in aliases}
+        use_plan = bool(getattr(self.plan, "verified", False)) and self.plan.covers(names)
         try:
-            with layerwise.strict(require_full=not tx.partial) as pol, weights.suppressed(), \
-                    vllm_config_ctx(worker), lora_unwrapped(model):
-                try:
-                    worker.reload_weights(weights_iterator=self._iter_for_load(tx))
-                finally:
-                    findings = pol.findings
-                    if layerwise.reload_active(model):  # the load raised half-way: put every layer back
-                        abort_open_reload(worker)
-            tx.checks.append("strict_reload")
+            if use_plan:
+                tx.checks.append("plan_copy")
+                if tx.staged is not None:
+                    self.plan.apply({n: t for n, t in tx.staged.items() if n in names})
+                else:
+                    for m, t in tx.source.tensors():
+                        if m.name in names:
+                            self.plan.apply_one(m.name, t)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            else:
+                with layerwise.strict(require_full=not tx.partial) as pol, weights.suppressed(), \
+                        vllm_config_ctx(worker), lora_unwrapped(model):
+                    try:
+                        worker.reload_weights(weights_iterator=self._iter_for_load(tx))
+                    finally:
+                        findings = pol.findings
+                        if layerwise.reload_active(model):  # the load raised half-way: put every layer back
+                            abort_open_reload(worker)
+                tx.checks.append("strict_reload")
             tx.stages["write"] = _now() - t0
             if tx.mode == "direct":
                 t1 = _now()
@@ -530,6 +546,10 @@ class WorkerRefit:
                         raise P.RefitError(P.summarize(probs), kind="transport" if any(
                             p["kind"] == "fingerprint" for p in probs) else "validation", problems=probs)
                 tx.stages["check_after"] = _now() - t1
+            if not use_plan and self.plan is None and not tx.partial:
+                t1 = _now()
+                self._capture_plan(tx, names)
+                tx.stages["plan_capture"] = _now() - t1
         except BaseException as e:  # noqa: BLE001 - everything below decides what the engine holds now
             error = e
         tx.stages["commit_total"] = _now() - t0
@@ -539,6 +559,7 @@ class WorkerRefit:
             tx.committed = True
             ev = weights.fire(worker, "rlpatch_refit", "worker", version=version)
             out = {"ok": True, "state": "committed", "version": ev.version, "stages": tx.stages, "checks": tx.checks,
+                   "path": "plan" if use_plan else "layerwise", "plan": self.plan_note,
                    "findings": findings.as_dict() if findings else None, "extra_host_bytes": tx.extra_host,
                    "extra_device_bytes": tx.extra_device, "pid": os.getpid(),
                    "rank": int(getattr(worker, "rank", 0) or 0)}
@@ -546,6 +567,42 @@ class WorkerRefit:
                 self._drop(txid)
             return out
         return self._failed_commit(tx, error, findings)
+
+    def _capture_plan(self, tx: _Tx, names: set[str]) -> None:
+        """Record and verify the copy plan after a complete layerwise update (GPU, unquantized, no LoRA)."""
+        from vllm_rlpatch.refit.plan import CopyPlan, PlanError
+
+        w = self.worker
+        if getattr(w.model_config, "quantization", None) is not None:
+            self.plan_note = "not used: quantized model (post-processing changes the weights)"
+            self.plan = False
+            return
+        if any(type(m).__name__.endswith("WithLoRA") for m in self.model.modules()):
+            self.plan_note = "not used: LoRA engine"
+            self.plan = False
+            return
+        sources = tx.staged if tx.staged is not None else (
+            {m.name: t for m, t in tx.source.tensors()} if not isinstance(tx.source, DistSource) else None)
+        if sources is None:
+            self.plan_note = "not captured yet (needs a non-streamed update to verify against)"
+            return
+        metas = [(m.name, m.shape, P.dtype_of(m.dtype)) for m in tx.metas if m.name in names]
+        try:
+            plan = CopyPlan.capture(self.model, metas, skip=set(self.schema().aliases))
+            why = plan.verify({n: sources[n] for n in names})
+        except PlanError as e:
+            self.plan, self.plan_note = False, f"not usable: {e}"
+            logger.info("vllm-rlpatch: refit copy plan not usable for this model: %s", e)
+            return
+        if why is not None:
+            self.plan, self.plan_note = False, f"not usable: {why}"
+            logger.warning("vllm-rlpatch: refit copy plan failed verification: %s", why)
+            return
+        self.plan = plan
+        self.plan_note = f"verified: {plan.copies} slice copies for {len(plan.names)} tensors"
+        tx.checks.append("plan_verified")
+        logger.info("vllm-rlpatch: refit copy plan recorded and verified (%d copies, %.2f s); later complete "
+                    "updates are slice copies", plan.copies, plan.capture_seconds)
 
     def _failed_commit(self, tx: _Tx, error: BaseException, findings) -> dict[str, Any]:
         kind = error.kind if isinstance(error, P.RefitError) else (

@@ -1,0 +1,153 @@
+"""A precomputed name -> destination plan: a refit as slice copies straight into vLLM's parameters.
+
+vLLM loads a checkpoint tensor through Python weight loaders: fused layers (qkv, gate_up) and tensor
+parallelism turn one trainer tensor into a slice copy into a larger parameter. Where post-processing leaves
+parameters in checkpoint layout (unquantized models on GPU), every update repeats exactly the same copies,
+so they can be recorded once and replayed as plain ``copy_`` calls: no Python loader, no layer
+materialisation, no per-layer processing.
+
+Recording: the model's own ``load_weights`` runs once per name on a *meta* tensor of the trainer's shape,
+under a dispatch mode that intercepts every ``copy_`` into a parameter and records where it lands (the
+parameter, and the strided window inside its storage) and which window of the source it reads. A loader
+that does anything but views and copies on the source (a concatenation, arithmetic) makes the plan
+unusable, as does a copy into anything that is not a parameter or buffer of the model.
+
+Trust: a plan is used only after it was verified against a real update that went through vLLM's own
+layerwise reload: every recorded destination window must hold exactly the source window it names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+logger = logging.getLogger("vllm.rlpatch")
+
+
+@dataclasses.dataclass
+class Entry:
+    name: str
+    dst: torch.Tensor  # the parameter/buffer (its storage is the destination)
+    dst_geom: tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, absolute storage offset
+    src_geom: tuple[tuple[int, ...], tuple[int, ...], int]  # relative to a contiguous source tensor
+
+
+class PlanError(RuntimeError):
+    pass
+
+
+class _Capture(TorchDispatchMode):
+    def __init__(self, origin: torch.Tensor, storages: dict[int, torch.Tensor]):
+        super().__init__()
+        self.origin = origin
+        self.storages = storages
+        self.records: list[tuple[torch.Tensor, tuple, tuple]] = []
+        self.problem: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default and isinstance(args[1], torch.Tensor) and args[1].is_meta:
+            dst, src = args[0], args[1]
+            base = src if src._base is None else src._base
+            if base is not self.origin:
+                self.problem = "the loader transforms the source before copying it"
+            elif dst.is_meta:
+                self.problem = "the loader copies into a tensor that is not materialised"
+            else:
+                owner = self.storages.get(dst.untyped_storage().data_ptr())
+                if owner is None:
+                    self.problem = "the loader copies into a tensor that is not a parameter of the model"
+                else:
+                    self.records.append((owner, (tuple(dst.shape), tuple(dst.stride()), dst.storage_offset()),
+                                         (tuple(src.shape), tuple(src.stride()), src.storage_offset())))
+            return dst
+        return func(*args, **kwargs)
+
+
+class CopyPlan:
+    def __init__(self, entries: list[Entry], names: list[str], seconds: float):
+        self.entries = entries
+        self.names = frozenset(names)
+        self.verified = False
+        self.capture_seconds = seconds
+        self.copies = len(entries)
+
+    # -------------------------------------------------------------- build
+    @classmethod
+    def capture(cls, model: Any, metas: list[Any], skip: set[str]) -> "CopyPlan":
+        """``metas``: (name, shape, torch dtype) of a complete update in trainer naming."""
+        t0 = time.perf_counter()
+        storages: dict[int, torch.Tensor] = {}
+        for _, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+            if t is not None and not t.is_meta and t.numel() > 0:
+                storages.setdefault(t.untyped_storage().data_ptr(), t)
+        load = type(model).load_weights  # the class method: no plugin wrapper, no event
+        entries: list[Entry] = []
+        names = []
+        for name, shape, dtype in metas:
+            if name in skip:
+                continue
+            origin = torch.empty(shape, dtype=dtype, device="meta")
+            cap = _Capture(origin, storages)
+            try:
+                with torch.no_grad(), cap:
+                    load(model, [(name, origin)])
+            except Exception as e:  # noqa: BLE001 - a loader that needs real data
+                raise PlanError(f"{name}: the loader does not run on a shape-only tensor ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            if cap.problem:
+                raise PlanError(f"{name}: {cap.problem}")
+            if not cap.records:
+                raise PlanError(f"{name}: the loader copied nothing (a skipped or tied name)")
+            for owner, dg, sg in cap.records:
+                entries.append(Entry(name, owner, dg, sg))
+            names.append(name)
+        return cls(entries, names, time.perf_counter() - t0)
+
+    # -------------------------------------------------------------- use
+    @staticmethod
+    def _src_view(src: torch.Tensor, geom) -> torch.Tensor:
+        size, stride, off = geom
+        if not src.is_contiguous():
+            src = src.contiguous()
+        return src.as_strided(size, stride, off + src.storage_offset())
+
+    @staticmethod
+    def _dst_view(dst: torch.Tensor, geom) -> torch.Tensor:
+        size, stride, off = geom
+        return dst.data.as_strided(size, stride, off)
+
+    def verify(self, sources: dict[str, torch.Tensor]) -> str | None:
+        """After a real (layerwise) update with ``sources``: does every window hold its source? None = yes."""
+        with torch.no_grad():
+            for e in self.entries:
+                src = self._src_view(sources[e.name], e.src_geom)
+                dst = self._dst_view(e.dst, e.dst_geom)
+                if not torch.equal(dst, src.to(dst.dtype)):
+                    return f"{e.name}: the window the plan records does not hold the loaded tensor"
+        self.verified = True
+        return None
+
+    def apply(self, sources: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for e in self.entries:
+                self._dst_view(e.dst, e.dst_geom).copy_(self._src_view(sources[e.name], e.src_geom),
+                                                        non_blocking=True)
+
+    def apply_one(self, name: str, src: torch.Tensor) -> None:
+        """One source tensor as it arrives (a streamed transport)."""
+        if not hasattr(self, "_by_name"):
+            self._by_name: dict[str, list[Entry]] = {}
+            for e in self.entries:
+                self._by_name.setdefault(e.name, []).append(e)
+        with torch.no_grad():
+            for e in self._by_name.get(name, ()):
+                self._dst_view(e.dst, e.dst_geom).copy_(self._src_view(src, e.src_geom), non_blocking=True)
+
+    def covers(self, names: set[str]) -> bool:
+        return names == set(self.names)
