@@ -106,7 +106,7 @@ def main() -> int:
     if args.device == "cpu":
         kw.update(kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.5)
     else:
-        kw.update(gpu_memory_utilization=0.55)
+        kw.update(gpu_memory_utilization=0.4)  # room for the trainer's copy, a layout buffer and the anchor
         if args.upstream:
             kw.update(weight_transfer_config={"backend": "ipc"})
     t0 = time.perf_counter()
@@ -159,6 +159,17 @@ def main() -> int:
     print(f"[bench] first update: {rep.seconds:.3f} s, path={rep.workers[0].get('path')}, "
           f"plan: {rep.workers[0].get('plan')}", flush=True)
     memcpy_once()
+    layout = None
+    if args.device == "cuda":
+        from vllm_rlpatch.refit import EngineLayout, RefitError
+
+        try:
+            layout = EngineLayout(llm)
+            layout.copy_from(weights)
+            torch.cuda.synchronize()
+            res["layout"] = {"ok": True, "bytes": layout.buffer.numel() * layout.buffer.element_size()}
+        except RefitError as e:
+            res["layout"] = {"ok": False, "message": str(e)}
 
     samples: dict[str, list] = {"memcpy": []}
     reports: dict[str, list] = {}
@@ -174,6 +185,16 @@ def main() -> int:
                                                 "path": rep.workers[0].get("path"),
                                                 "peak_extra_host_bytes": rep.peak_extra_host_bytes,
                                                 "peak_extra_device_bytes": rep.peak_extra_device_bytes})
+        if layout is not None:
+            for verify in (False, True):
+                key = f"cuda_ipc_layout/direct/{'verify' if verify else 'noverify'}"
+                torch.cuda.synchronize()
+                rep = push_weights(llm, layout, mode="direct", verify=verify)
+                samples.setdefault(key, []).append(rep.seconds)
+                reports.setdefault(key, []).append({"seconds": rep.seconds, "stages": rep.stages, "checks": rep.checks,
+                                                    "path": rep.workers[0].get("path"),
+                                                    "peak_extra_host_bytes": rep.peak_extra_host_bytes,
+                                                    "peak_extra_device_bytes": rep.peak_extra_device_bytes})
         if args.upstream and args.device == "cuda":
             _upstream_round(llm, weights, samples)
         print(f"[bench] round {r + 1}/{args.rounds}: " + ", ".join(

@@ -76,6 +76,12 @@ class RLPatchWorkerExtension:
 
         return worker.for_worker(self).release(txid)
 
+    def rlpatch_refit_layout(self) -> dict[str, Any]:
+        """The engine layout for zero-pack CUDA IPC updates (``vllm_rlpatch.refit.EngineLayout``)."""
+        from vllm_rlpatch.refit import worker
+
+        return worker.for_worker(self).layout()
+
     def rlpatch_fingerprint(self) -> dict[str, Any]:
         """Bit-level fingerprint of every parameter and buffer of this worker's model (and a digest)."""
         from vllm_rlpatch.refit import worker

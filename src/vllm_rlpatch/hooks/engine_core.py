@@ -66,7 +66,7 @@ TARGETS = CORE_TARGETS + SCHED_TARGETS + FRONTEND_TARGETS
 
 # RPCs that never change weights (ours, and vLLM's own read-only ones): no worker-version check after them.
 _READ_ONLY = frozenset({"rlpatch_ping", "rlpatch_status", "rlpatch_weight_version", "rlpatch_refit_describe",
-                        "rlpatch_fingerprint", "rlpatch_refit_release", "get_model", "check_health",
+                        "rlpatch_refit_layout", "rlpatch_fingerprint", "rlpatch_refit_release", "get_model", "check_health",
                         "get_kv_cache_spec", "determine_available_memory", "get_supported_tasks", "list_loras",
                         "get_cache_block_size_bytes", "is_sleeping", "update_max_model_len",
                         "compute_weight_checksums"})

@@ -146,11 +146,15 @@ def route(wrapped, model, worker, args, kwargs):
     """The ``model.load_weights`` router (see module doc). Returns ``(result, fire_event_now)``: inside an
     RPC the event fires once, when the RPC's loads are settled (a per-parameter loop is one update)."""
     defer = _in_rpc()
-    if model not in _SESSIONS and (not _needs_reload(model, worker) or layerwise.reload_active(model)):
-        result = wrapped(*args, **kwargs)
-        if defer:
-            _mark_dirty(worker)
-        return result, not defer
+    if model not in _SESSIONS:
+        if layerwise.reload_active(model):
+            # part of a session vLLM finishes itself (the native start/update/finish API): its finish fires
+            return wrapped(*args, **kwargs), False
+        if not _needs_reload(model, worker):
+            result = wrapped(*args, **kwargs)
+            if defer:
+                _mark_dirty(worker)
+            return result, not defer
     refuse_if_asleep(worker, "model.load_weights")
     from vllm_rlpatch.refit.worker import abort_open_reload, vllm_config_ctx
 

@@ -9,8 +9,8 @@ See :mod:`vllm_rlpatch.refit.api` (targets, modes, in-flight policies), :mod:`.t
 cuda_ipc) and :mod:`.worker` (the engine side: validation, atomic commit, rollback).
 """
 
-from vllm_rlpatch.refit.api import RefitReport, push_weights, push_weights_async, weight_version
+from vllm_rlpatch.refit.api import EngineLayout, RefitReport, push_weights, push_weights_async, weight_version
 from vllm_rlpatch.refit.protocol import RefitError, fingerprint, fingerprints
 
-__all__ = ["RefitError", "RefitReport", "fingerprint", "fingerprints", "push_weights", "push_weights_async",
+__all__ = ["EngineLayout", "RefitError", "RefitReport", "fingerprint", "fingerprints", "push_weights", "push_weights_async",
            "weight_version"]

@@ -192,6 +192,9 @@ class LocalTarget(_Target):
     def rpc(self, method: str, args: tuple, kwargs: dict) -> list:
         return self.front.collective_rpc(method, args=args, kwargs=kwargs)
 
+    def call(self, method: str) -> list:
+        return self.rpc(method, (), {})
+
     def describe(self) -> list[dict[str, Any]]:
         try:
             return self.rpc("rlpatch_refit_describe", (), {})
@@ -239,6 +242,9 @@ class AsyncTarget(_Target):
             raise P.RefitError("push_weights() called on the AsyncLLM's own event loop would block it: use "
                                "`await vllm_rlpatch.refit.push_weights_async(...)`", kind="validation")
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def call(self, method: str) -> list:
+        return self._sync(self.rpc(method, (), {}))
 
     def describe(self) -> list[dict[str, Any]]:
         return self._sync(self.describe_async())
@@ -324,6 +330,48 @@ async def coordinate_on_async(front: Any, req: dict[str, Any], drive) -> dict[st
     return _finish(front, req, out)
 
 
+# ------------------------------------------------------------------------------------------ zero-pack
+class EngineLayout:
+    """Trainer tensors that already live in the engine's layout: one CUDA buffer shaped like the engine's
+    parameters (fused qkv/gate_up included), with a view per trainer tensor name. Put your model's
+    parameters in the views (``param.data = layout.views[name]``) or copy into them; ``push_weights(target,
+    layout)`` then sends one IPC handle and the engine copies the buffer into its parameters: no packing,
+    no per-tensor handles. Needs the same GPU, tensor parallel 1, and a copy plan the engine verified on an
+    earlier complete update (the first ``push_weights`` of ordinary tensors records it)."""
+
+    def __init__(self, target: Any, device: Any = None):
+        tgt = resolve(target)
+        if tgt.kind == "http":
+            raise P.RefitError("EngineLayout needs CUDA IPC, which is not offered over HTTP", kind="validation")
+        descs = tgt.call("rlpatch_refit_layout")
+        if len(descs) != 1:
+            raise P.RefitError(f"EngineLayout needs tensor parallel 1 (the engine has {len(descs)} workers)",
+                               kind="validation")
+        d = descs[0]
+        if not d.get("ok"):
+            raise P.RefitError(f"no engine layout: {d.get('message')} (push one complete update of ordinary "
+                               "tensors first: it records and verifies the copy plan)", kind="validation")
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.dtype = P.dtype_of(d["dtype"])
+        self.buffer = torch.zeros(int(d["numel"]), dtype=self.dtype, device=dev)
+        self.spec_views = {n: tuple(v) for n, v in d["views"].items()}
+        self.views = {n: self.buffer.as_strided(size, stride, off) for n, (size, stride, off) in
+                      self.spec_views.items()}
+        self._handle = None
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return sorted(self.views.items())
+
+    def copy_from(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, t in (named_tensors.items() if isinstance(named_tensors, dict) else named_tensors):
+            self.views[name].copy_(t)
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = T.ipc_handles([("buffer", self.buffer)])[0]
+        return self._handle
+
+
 # ------------------------------------------------------------------------------------------ sender
 def _collect(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
     if isinstance(named_tensors, dict):
@@ -354,6 +402,15 @@ def _metas(tensors: list[tuple[str, torch.Tensor]]) -> list[P.TensorMeta]:
 
 
 _SCHEMAS: "weakref.WeakKeyDictionary[Any, P.Schema]" = weakref.WeakKeyDictionary()
+_POOLS: dict[Any, T.ShmPool] = {}  # per target: shared-memory segments reused across its updates
+
+
+def _pool_for(tgt: "_Target") -> T.ShmPool:
+    key = id(tgt.front) if tgt.front is not None else getattr(tgt, "url", None) or id(getattr(tgt, "handle", tgt))
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = T.ShmPool()
+    return pool
 
 
 def _pick_transport(transport: str, tensors, target: _Target) -> str:
@@ -430,10 +487,11 @@ def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
     t0 = time.perf_counter()
     _validate_args(mode, inflight, version)
     tgt = resolve(target)
-    tensors = _collect(named_tensors)
+    layout = named_tensors if isinstance(named_tensors, EngineLayout) else None
+    tensors = _collect(layout.named_tensors() if layout is not None else named_tensors)
     if not tensors:
         raise P.RefitError("the update contains no tensors", kind="validation")
-    tr = _pick_transport(transport, tensors, tgt)
+    tr = "cuda_ipc_layout" if layout is not None else _pick_transport(transport, tensors, tgt)
     metas = _metas(tensors)
     stages: dict[str, float] = {}
     # metadata checked here first (no byte moves for a bad update); the workers check again
@@ -452,7 +510,7 @@ def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
         if not tgt.same_host():
             raise P.RefitError("transport='shm' needs the trainer and the engine on one host; this target is on "
                                "another host: use transport='dist' (or 'auto')", kind="validation")
-        with T.ShmPack(tensors, metas, bucket, fingerprint=verify) as pack:
+        with T.ShmPack(tensors, metas, bucket, fingerprint=verify, pool=_pool_for(tgt)) as pack:
             stages["pack"] = pack.seconds_pack
             stages["fingerprint"] = pack.seconds_fingerprint
             req["tensors"] = [m.as_dict() for m in metas]
@@ -478,6 +536,20 @@ def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
         stages["send"] = sender.seconds_send
         if out.get("ok") and sender.error is not None:
             logger.warning("vllm-rlpatch: dist sender reported %r after a committed update", sender.error)
+        return _raise_or_report(out, tr, mode, tensors, metas, t0, stages, 0, raise_on_error)
+    if tr == "cuda_ipc_layout":
+        t1 = time.perf_counter()
+        if verify:
+            for m, f in zip(metas, P.fingerprints([t for _, t in tensors])):
+                m.fingerprint = f
+        stages["fingerprint"] = time.perf_counter() - t1
+        req["tensors"] = [m.as_dict() for m in metas]
+        req["transport"] = {"kind": "cuda_ipc_layout", "handle": layout.handle(),
+                            "views": {n: list(v) for n, v in layout.spec_views.items()}}
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        out = tgt.run(req)
+        stages["engine"] = time.perf_counter() - t2
         return _raise_or_report(out, tr, mode, tensors, metas, t0, stages, 0, raise_on_error)
     if tr == "cuda_ipc":
         if tgt.kind == "http":
@@ -567,7 +639,7 @@ async def push_weights_async(target: Any, named_tensors: Iterable[tuple[str, tor
         return _raise_or_report(out, tr, mode, tensors, metas, t0, stages, 0, raise_on_error)
     req = {"txid": uuid.uuid4().hex, "mode": mode, "partial": partial, "allow_cast": allow_cast, "version": version,
            "inflight": inflight}
-    pack = await asyncio.to_thread(T.ShmPack, tensors, metas, bucket, verify)
+    pack = await asyncio.to_thread(T.ShmPack, tensors, metas, bucket, verify, _pool_for(tgt))
     try:
         stages["pack"] = pack.seconds_pack
         stages["fingerprint"] = pack.seconds_fingerprint

@@ -126,19 +126,31 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprint_parts(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums over the raw bits: the plain sum and a sum weighted by 4096-word block position (so
-    moved blocks, truncated or stale data change it). Integer arithmetic: identical on CPU and GPU."""
+    """Two int64 sums over the raw bits, in one pass over the data: the plain sum and a sum weighted by
+    4096-word block position (so moved blocks, truncated or stale data change it). Integer arithmetic:
+    identical on CPU and GPU."""
     w = _words(t)
     n = w.numel()
     m = n // _BLOCK
-    total = w.sum(dtype=torch.int64)
+    tail = w[m * _BLOCK:].sum(dtype=torch.int64)
     if m:
         blocks = w[: m * _BLOCK].view(m, _BLOCK).sum(1, dtype=torch.int64)
-        pos = (blocks * torch.arange(1, m + 1, device=w.device, dtype=torch.int64)).sum()
+        total = blocks.sum() + tail
+        pos = (blocks * torch.arange(1, m + 1, device=w.device, dtype=torch.int64)).sum() + tail * (m + 1)
     else:
-        pos = torch.zeros((), dtype=torch.int64, device=w.device)
-    tail = w[m * _BLOCK:].sum(dtype=torch.int64) * (m + 1)
-    return torch.stack([total, pos + tail])
+        total, pos = tail, tail
+    return torch.stack([total, pos])
+
+
+def nonfinite(t: torch.Tensor) -> int:
+    """Number of NaN/inf values (0 for non-float tensors). One fp32 sum per tensor (NaN and inf propagate
+    through it); only a tensor whose sum is not finite is counted element by element."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return 0
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return 0
+    n = int((~torch.isfinite(t)).sum())
+    return n if n else 0  # a finite tensor whose fp32 sum overflowed
 
 
 def fingerprints(tensors: Iterable[torch.Tensor]) -> list[str]:

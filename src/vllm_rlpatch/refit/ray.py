@@ -51,6 +51,12 @@ def _in_actor_run(actor: Any, attr: str | None, req: dict[str, Any]) -> dict[str
     return resolve(_find_engine(actor, attr)).run(req)
 
 
+def _in_actor_call(actor: Any, attr: str | None, method: str) -> list:
+    from vllm_rlpatch.refit.api import resolve
+
+    return resolve(_find_engine(actor, attr)).call(method)
+
+
 def _in_actor_version(actor: Any, attr: str | None) -> int:
     from vllm_rlpatch.refit.api import resolve
 
@@ -108,3 +114,6 @@ class RayTarget(_Target):
 
     def version(self) -> int:
         return int(self._call(_in_actor_version))
+
+    def call(self, method: str) -> list:
+        return self._call(_in_actor_call, method)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -36,40 +37,105 @@ def shm_dir() -> str:
 
 
 # ------------------------------------------------------------------------------------------ shm
-class ShmPack:
-    """The update packed into shared-memory segments. A context manager: the segments are unlinked on
-    exit (the workers' mappings stay valid until they close them)."""
+_PREFIX = "vllm-rlpatch-"
 
-    def __init__(self, tensors: list[tuple[str, torch.Tensor]], metas: list[P.TensorMeta], bucket_bytes: int,
-                 fingerprint: bool = True):
-        self.metas = metas
-        self.sizes = P.assign_buckets(metas, bucket_bytes)
-        self.paths: list[str] = []
-        self.seconds_pack = 0.0
-        self.seconds_fingerprint = 0.0
-        d = shm_dir()
-        total = sum(self.sizes)
+
+def _sweep_stale(d: str) -> None:
+    """Remove segments left by trainer processes that died (their pid is in the name)."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    for n in names:
+        if not n.startswith(_PREFIX):
+            continue
         try:
-            free = shutil.disk_usage(d).free
-        except OSError as e:
-            raise P.RefitError(f"shm transport: cannot use {d}: {e}", kind="transport") from e
-        if free < total:
-            raise P.RefitError(f"shm transport: {d} has {free / 2**30:.2f} GiB free, the update needs "
-                               f"{total / 2**30:.2f} GiB (containers often mount a 64 MiB /dev/shm: enlarge it, "
-                               "or set VLLM_RLPATCH_REFIT_SHM_DIR to a tmpfs with room)", kind="transport")
-        tag = f"vllm-rlpatch-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        t0 = time.perf_counter()
-        maps = []
+            pid = int(n[len(_PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            continue
         try:
-            for i, size in enumerate(self.sizes):
-                path = os.path.join(d, f"{tag}-{i}")
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(d, n))
+        except PermissionError:
+            pass
+
+
+class ShmPool:
+    """Shared-memory segments kept across the updates of one target: after the first update the pages exist
+    (no page faults, no zeroing), and the engine's workers keep them mapped. Unlinked at exit."""
+
+    def __init__(self) -> None:
+        self.dir = shm_dir()
+        self.tag = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.segments: list[tuple[str, int, torch.Tensor]] = []
+        self._lock = threading.Lock()
+        _sweep_stale(self.dir)
+        atexit.register(self.close)
+
+    def lease(self, sizes: list[int]) -> list[tuple[str, int, torch.Tensor]]:
+        """Segments of at least these sizes (created or grown as needed)."""
+        with self._lock:
+            need = [max(s, 1) for s in sizes]
+            extra = sum(max(0, n - (self.segments[i][1] if i < len(self.segments) else 0))
+                        for i, n in enumerate(need))
+            try:
+                free = shutil.disk_usage(self.dir).free
+            except OSError as e:
+                raise P.RefitError(f"shm transport: cannot use {self.dir}: {e}", kind="transport") from e
+            if free < extra:
+                raise P.RefitError(f"shm transport: {self.dir} has {free / 2**30:.2f} GiB free, the update needs "
+                                   f"{extra / 2**30:.2f} GiB more (containers often mount a 64 MiB /dev/shm: "
+                                   "enlarge it, or set VLLM_RLPATCH_REFIT_SHM_DIR to a tmpfs with room)",
+                                   kind="transport")
+            for i, n in enumerate(need):
+                if i < len(self.segments) and self.segments[i][1] >= n:
+                    continue
+                if i < len(self.segments):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.segments[i][0])
+                path = os.path.join(self.dir, f"{self.tag}-{i}-{uuid.uuid4().hex[:6]}")
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
-                    os.ftruncate(fd, max(size, 1))
+                    os.ftruncate(fd, n)
                 finally:
                     os.close(fd)
-                self.paths.append(path)
-                maps.append(torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8))
+                seg = (path, n, torch.from_file(path, shared=True, size=n, dtype=torch.uint8))
+                if i < len(self.segments):
+                    self.segments[i] = seg
+                else:
+                    self.segments.append(seg)
+            return self.segments[:len(need)]
+
+    def close(self) -> None:
+        with self._lock:
+            for path, _, _ in self.segments:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            self.segments = []
+
+
+class ShmPack:
+    """The update packed into shared-memory segments (from a :class:`ShmPool`: reused across updates; or
+    fresh ones, unlinked when the pack is closed)."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]], metas: list[P.TensorMeta], bucket_bytes: int,
+                 fingerprint: bool = True, pool: ShmPool | None = None):
+        self.metas = metas
+        self.sizes = P.assign_buckets(metas, bucket_bytes)
+        self.own = pool is None
+        self.pool = pool or ShmPool()
+        self.seconds_pack = 0.0
+        self.seconds_fingerprint = 0.0
+        t0 = time.perf_counter()
+        try:
+            segs = self.pool.lease(self.sizes)
+            self.paths = [p for p, _, _ in segs]
+            self.seg_sizes = [n for _, n, _ in segs]
+            maps = [m for _, _, m in segs]
             for (name, t), m in zip(tensors, metas):
                 dst = maps[m.segment][m.offset: m.offset + m.nbytes].view(t.dtype).view(t.shape)
                 dst.copy_(t)
@@ -83,21 +149,17 @@ class ShmPack:
         except BaseException:
             self.close()
             raise
-        finally:
-            maps.clear()
 
     def spec(self) -> dict[str, Any]:
-        return {"kind": "shm", "segments": [{"path": p, "size": max(s, 1)} for p, s in zip(self.paths, self.sizes)]}
+        return {"kind": "shm", "segments": [{"path": p, "size": n} for p, n in zip(self.paths, self.seg_sizes)]}
 
     @property
     def nbytes(self) -> int:
         return sum(self.sizes)
 
     def close(self) -> None:
-        for p in self.paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-        self.paths = []
+        if self.own:
+            self.pool.close()
 
     def __enter__(self):
         return self
@@ -196,22 +258,31 @@ class DistSender:
 
 
 # ------------------------------------------------------------------------------------------ cuda_ipc
-def ipc_handles(tensors: list[tuple[str, torch.Tensor]]) -> list[Any]:
-    """CUDA IPC handles of the trainer's tensors (no copy); picklable, for same-host RPC only."""
+def ipc_handles(tensors: list[tuple[str, torch.Tensor]]) -> list[bytes]:
+    """CUDA IPC handles of the trainer's tensors (no copy). Pickled: they travel to the engine's workers on
+    this host inside vLLM's RPC (whose msgpack carries bytes), never over a network."""
+    import pickle
+
     from torch.multiprocessing.reductions import reduce_tensor
 
     out = []
     for name, t in tensors:
         if not t.is_cuda:
             raise P.RefitError(f"cuda_ipc transport: {name} is on {t.device}, not a CUDA device", kind="validation")
-        fn, args = reduce_tensor(t.detach())
-        out.append((fn, args))
+        out.append(pickle.dumps(reduce_tensor(t.detach())))
     return out
+
+
+def ipc_unpickle(handle: bytes):
+    import pickle
+
+    return pickle.loads(handle)
 
 
 def ipc_open(handles: list[Any], device: torch.device) -> list[torch.Tensor]:
     out = []
-    for fn, args in handles:
+    for h in handles:
+        fn, args = ipc_unpickle(h) if isinstance(h, (bytes, bytearray)) else h
         args = list(args)
         # reduce_tensor records the sender's device index (arg 6); open it on this worker's device
         if device.type == "cuda" and len(args) > 6:

@@ -166,12 +166,16 @@ class Source:
     def close(self) -> None: ...
 
 
+_SHM_MAPS: dict[tuple, torch.Tensor] = {}  # the last update's mapped segments
+
+
 class ShmSource(Source):
     def __init__(self, metas: list[P.TensorMeta], segments: list[dict[str, Any]]):
         self.metas, self.segments = metas, segments
         self.maps: list[torch.Tensor] = []
 
     def open(self) -> None:
+        keep = {}
         for seg in self.segments:
             path, size = seg["path"], int(seg["size"])
             try:
@@ -183,7 +187,14 @@ class ShmSource(Source):
             if st.st_size < size:
                 raise P.RefitError(f"shared-memory segment {path} holds {st.st_size} bytes, {size} expected "
                                    "(truncated: did the sender die?)", kind="transport")
-            self.maps.append(torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+            key = (path, st.st_ino, size)
+            m = _SHM_MAPS.get(key)
+            if m is None:  # the trainer reuses its segments: keep them mapped (no page faults next time)
+                m = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            keep[key] = m
+            self.maps.append(m)
+        _SHM_MAPS.clear()
+        _SHM_MAPS.update(keep)
 
     def tensors(self):
         for m in self.metas:
@@ -263,17 +274,49 @@ class DistSource(Source):
                 pass
 
 
+_IPC_OPEN: dict[bytes, torch.Tensor] = {}  # the last update's opened handles (reused while the trainer keeps them)
+
+
+def _ipc_key(handle) -> bytes | None:
+    try:
+        from vllm_rlpatch.refit.transports import ipc_unpickle
+
+        # torch's reduce_tensor for CUDA: (type, size, stride, offset, storage type, dtype, device, handle,
+        # storage size, storage offset, requires_grad, ref counter handle/offset, event handle, sync flag)
+        fn, args = ipc_unpickle(handle) if isinstance(handle, (bytes, bytearray)) else handle
+        return bytes(args[7]) + str(args[9]).encode() + str(tuple(args[1])).encode() + str(tuple(args[2])).encode() \
+            + str(args[3]).encode()
+    except Exception:
+        return None
+
+
 class IpcSource(Source):
-    """CUDA IPC: the trainer's own tensors (same GPU, other process), opened by handle; no copy."""
+    """CUDA IPC: the trainer's own tensors (same GPU, other process), opened by handle; no copy. Handles the
+    previous update used are kept open (a trainer that updates its tensors in place sends the same ones)."""
 
     def __init__(self, metas, handles: list[Any], device: torch.device):
         self.metas, self.handles, self.device = metas, handles, device
         self.views: list[torch.Tensor] = []
+        self.reused = 0
 
     def open(self) -> None:
         from vllm_rlpatch.refit import transports
 
-        self.views = transports.ipc_open(self.handles, self.device)
+        keep: dict[bytes, torch.Tensor] = {}
+        views = []
+        for h in self.handles:
+            k = _ipc_key(h)
+            t = _IPC_OPEN.get(k) if k is not None else None
+            if t is None:
+                t = transports.ipc_open([h], self.device)[0]
+            else:
+                self.reused += 1
+            if k is not None:
+                keep[k] = t
+            views.append(t)
+        _IPC_OPEN.clear()
+        _IPC_OPEN.update(keep)
+        self.views = views
 
     def tensors(self):
         for m, t in zip(self.metas, self.views):
@@ -281,6 +324,39 @@ class IpcSource(Source):
 
     def close(self) -> None:
         self.views = []
+
+
+class LayoutSource(Source):
+    """Zero-pack CUDA IPC: one buffer laid out like the engine's parameters (``refit.EngineLayout``); the
+    trainer's tensors are views into it. One handle, opened once and kept while the trainer keeps it."""
+
+    def __init__(self, metas, spec: dict[str, Any], device: torch.device):
+        self.metas, self.spec, self.device = metas, spec, device
+        self.buf: torch.Tensor | None = None
+        self.reused = 0
+
+    def open(self) -> None:
+        from vllm_rlpatch.refit import transports
+
+        h = self.spec["handle"]
+        k = _ipc_key(h)
+        t = _IPC_OPEN.get(k) if k is not None else None
+        if t is None:
+            t = transports.ipc_open([h], self.device)[0]
+            _IPC_OPEN.clear()
+            if k is not None:
+                _IPC_OPEN[k] = t
+        else:
+            self.reused = 1
+        self.buf = t
+
+    def tensors(self):
+        for m in self.metas:
+            size, stride, off = self.spec["views"][m.name]
+            yield m, self.buf.view(P.dtype_of(m.dtype)).as_strided(size, stride, off)
+
+    def close(self) -> None:
+        self.buf = None
 
 
 def make_source(req: dict[str, Any], metas: list[P.TensorMeta], worker: Any) -> Source:
@@ -293,6 +369,8 @@ def make_source(req: dict[str, Any], metas: list[P.TensorMeta], worker: Any) -> 
         return DistSource(metas, tr, rank, _device_of(worker))
     if kind == "cuda_ipc":
         return IpcSource(metas, tr["handles"], _device_of(worker))
+    if kind == "cuda_ipc_layout":
+        return LayoutSource(metas, tr, _device_of(worker))
     raise P.RefitError(f"unknown transport {kind!r}", kind="validation")
 
 
@@ -465,10 +543,9 @@ class WorkerRefit:
         t1 = _now()
         bad = []
         for n, t in tensors.items():
-            if t.is_floating_point():
-                nf = int((~torch.isfinite(t)).sum())
-                if nf:
-                    bad.append((n, nf, t.numel()))
+            nf = P.nonfinite(t)
+            if nf:
+                bad.append((n, nf, t.numel()))
         for n, nf, tot in bad:
             probs.append(P.problem("nonfinite", n, f"{n}: {nf} of {tot} values are NaN or infinite"))
         tx.checks.append("finite")
@@ -673,6 +750,44 @@ class WorkerRefit:
                 tx.source.close()
             except Exception:
                 pass
+
+    def layout(self) -> dict[str, Any]:
+        """The engine layout a zero-pack trainer buffer uses (needs a verified copy plan): where every trainer
+        tensor sits, as a strided view, in one buffer of this worker's dtype."""
+        plan = self.plan
+        if not getattr(plan, "verified", False):
+            return {"ok": False, "message": f"no verified copy plan in this worker ({self.plan_note})"}
+        by_name: dict[str, list] = {}
+        for e in plan.entries:
+            by_name.setdefault(e.name, []).append(e)
+        params: list[torch.Tensor] = []
+        index: dict[int, int] = {}
+        views: dict[str, list] = {}
+        offset = 0  # in elements of the common dtype
+        dtype = None
+        starts: dict[int, int] = {}
+        for name in sorted(by_name):
+            es = by_name[name]
+            if len(es) != 1:
+                return {"ok": False, "message": f"{name} lands in {len(es)} windows (tensor parallel?)"}
+            e = es[0]
+            size, stride, off = e.src_geom
+            if off != 0 or list(size) != list(e.dst_geom[0]):
+                return {"ok": False, "message": f"{name}: the engine takes a part of it (sharded)"}
+            p = e.dst.data
+            dtype = dtype or p.dtype
+            if p.dtype != dtype or not p.is_contiguous():
+                return {"ok": False, "message": f"{name}: parameter dtype/layout differs"}
+            key = p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size()
+            if key not in index:
+                index[key] = len(params)
+                params.append(p)
+                starts[key] = offset
+                offset += (p.numel() + 31) // 32 * 32  # 64-byte aligned for bf16
+            dsize, dstride, doff = e.dst_geom
+            views[name] = [list(dsize), list(dstride), starts[key] + (doff - p.storage_offset())]
+        return {"ok": True, "dtype": P.dtype_name(dtype), "numel": offset, "views": views,
+                "params": len(params)}
 
     def fingerprint(self) -> dict[str, Any]:
         fp, per = weights_fingerprint(self.model)
