@@ -33,7 +33,7 @@ def expected_applied(version: str) -> set[str]:
     from packaging.version import Version
 
     v = Version(version.split("+")[0])
-    out = {"weight_events", "worker_extension", "rl_defaults", "prefix_cache"}
+    out = {"weight_events", "worker_extension", "rl_defaults", "prefix_cache", "refit_guard", "refit_http"}
     if v < Version("0.22"):
         out.add("async_preempt_discard")
     if v < Version("0.28"):
@@ -78,7 +78,8 @@ def test_plain_llm_with_no_arguments_loads_the_plugin_everywhere(tmp_path, versi
     test suite cannot promise. No generate: vLLM's default torch.compile on a 2-core CPU can outlast its
     RPC timeout; the sized engine above samples."""
     run = run_engine(tmp_path, {"bare": True, "engine": {"model": model_path()}, "rpc": ["rlpatch_ping"],
-                                "bare_kwargs": {"gpu_memory_utilization": 0.5}})
+                                "bare_kwargs": {"gpu_memory_utilization": 0.5}},
+                     TORCHDYNAMO_DISABLE="0")  # as a user runs it: torch.compile on
     r = run.check()
     assert r["logprobs_mode"] == "processed_logprobs"
     s = run.summaries()

@@ -26,11 +26,11 @@ def new_weights(tmp_path_factory):
     return R.perturbed_copy(model_path(), str(tmp_path_factory.mktemp("w") / "llama-B"), scale=1.0, seed=7)
 
 
-def _run(tmp_path, new_weights, expect_update_error=False, push_kw=None, **env):
+def _run(tmp_path, new_weights, expect_update_error=False, push_kw=None, refused_first=(), **env):
     spec = {"model": model_path(), "new_weights": new_weights, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "update_after": 8}
     if push_kw is not None:  # the refit API with a per-update in-flight policy instead of reload_weights
-        spec.update(update="push", push_kw=push_kw)
+        spec.update(update="push", push_kw=push_kw, refused_first=list(refused_first))
     f = tmp_path / "spec.json"
     f.write_text(json.dumps(spec))
     r, log = run_script("inflight.py", str(f), cwd=tmp_path, **env)
@@ -61,8 +61,10 @@ def keep(tmp_path_factory, new_weights):
 
 @pytest.fixture(scope="module")
 def abort(tmp_path_factory, new_weights):
-    # through the refit API: push_weights(..., inflight="abort") (the engine's own default stays recompute)
-    return _run(tmp_path_factory.mktemp("abort"), new_weights, push_kw={"inflight": "abort"})
+    # through the refit API: push_weights(..., inflight="refuse") first (refused: requests run), then
+    # push_weights(..., inflight="abort"); the engine's own default stays recompute
+    return _run(tmp_path_factory.mktemp("abort"), new_weights, push_kw={"inflight": "abort"},
+                refused_first=[{"inflight": "refuse"}])
 
 
 @pytest.fixture(scope="module")
@@ -130,17 +132,23 @@ def test_a_refused_reset_is_retried_and_never_serves_stale_kv(reset_keep, new_we
     _check_new_requests(reset_keep, new_weights, cached_after=False)
 
 
-@pytest.mark.parametrize("how", ["env", "push"])
-def test_refuse_rejects_the_update_before_anything_is_written(tmp_path, new_weights, how):
-    if how == "env":  # reload_weights, refused by VLLM_RLPATCH_INFLIGHT=refuse
-        r = _run(tmp_path, new_weights, expect_update_error=True, VLLM_RLPATCH_INFLIGHT="refuse")
-        assert "refused" in r["update_error"] and "VLLM_RLPATCH_INFLIGHT=refuse" in r["update_error"]
-    else:  # push_weights(..., inflight="refuse"): a RefitError before any byte is written
-        r = _run(tmp_path, new_weights, expect_update_error=True, push_kw={"inflight": "refuse"})
-        assert r["update_error_kind"] == "refused" and "inflight=refuse" in r["update_error"], r["update_error"]
+def test_refuse_rejects_the_update_before_anything_is_written(tmp_path, new_weights):
+    # reload_weights, refused by VLLM_RLPATCH_INFLIGHT=refuse
+    r = _run(tmp_path, new_weights, expect_update_error=True, VLLM_RLPATCH_INFLIGHT="refuse")
+    assert "refused" in r["update_error"] and "VLLM_RLPATCH_INFLIGHT=refuse" in r["update_error"]
     old = R.load(model_path())
     for q in r["inflight"] + r["during"]:  # the weights never changed: version 0 throughout, old weights
         assert [tuple(s[2:]) for s in q["spans"]] == [(0, 0)], q["spans"]
         ref = R.token_logprobs(old, q["prompt_token_ids"], q["token_ids"])
         assert R.mismatch(q["logprobs"], ref)["token_mult_prob_error"] <= 1.02
     assert "weights changed" not in r["log"]
+
+
+def test_push_weights_inflight_refuse_is_refused_before_anything_is_written(abort):
+    """push_weights(..., inflight="refuse") while requests run: a RefitError, nothing written (the abort
+    fixture's first push; its tokens stay version 0 until the abort push lands)."""
+    (r,) = abort["refused"]
+    assert (r["ok"], r["kind"], r["state"]) == (False, "refused", "unchanged"), r
+    assert "inflight=refuse" in r["message"]
+    assert all(q["spans"][0][2:] == [0, 0] for q in abort["inflight"])
+    assert abort["log"].count("engine core: weights changed") == 1  # only the abort push

@@ -61,10 +61,13 @@ class RLPatchWorkerExtension:
         return worker.for_worker(self).prepare(request)
 
     def rlpatch_refit_commit(self, txid: str, version: int | None = None, release: bool = True,
-                             inflight: str | None = None) -> dict[str, Any]:
+                             inflight: str | None = None, request: dict[str, Any] | None = None) -> dict[str, Any]:
+        from vllm_rlpatch.hooks import weights
         from vllm_rlpatch.refit import worker
 
-        return worker.for_worker(self).commit(txid, version=version, release=release)
+        if request is not None:
+            weights.settle(self, raise_mixed=False)
+        return worker.for_worker(self).commit(txid, version=version, release=release, request=request)
 
     def rlpatch_refit_abort(self, txid: str) -> dict[str, Any]:
         from vllm_rlpatch.refit import worker

@@ -9,8 +9,8 @@ collects the final outputs (tokens, the logprob of each sampled token, finish re
 Right after the update, while those still run, each prompt is sent again ("during": its old blocks are
 still held by the running requests); after all finished, once more ("after": the cache is warm).
 With "update": "push" the update is `await vllm_rlpatch.refit.push_weights_async(engine, <new_weights' state
-dict>, **push_kw)` instead (the refit API's per-update `inflight`); otherwise this script does not import
-vllm_rlpatch.
+dict>, **push_kw)` instead (the refit API's per-update `inflight`), preceded by the pushes in
+"refused_first" (each recorded with its error); otherwise this script does not import vllm_rlpatch.
 """
 
 import asyncio
@@ -58,9 +58,16 @@ async def main(spec):
 
                 from safetensors.torch import load_file
 
-                from vllm_rlpatch.refit import push_weights_async
+                from vllm_rlpatch.refit import RefitError, push_weights_async
 
                 sd = load_file(os.path.join(spec["new_weights"], "model.safetensors"))
+                for i, kw in enumerate(spec.get("refused_first", [])):  # pushes that must be refused first
+                    try:
+                        await push_weights_async(engine, sorted(sd.items()), **kw)
+                        res.setdefault("refused", []).append({"ok": True})
+                    except RefitError as e:
+                        res.setdefault("refused", []).append({"ok": False, "kind": e.kind, "state": e.state,
+                                                              "message": str(e)})
                 rep = await push_weights_async(engine, sorted(sd.items()), **spec.get("push_kw", {}))
                 res["push_report"] = rep.as_dict()
             else:

@@ -160,7 +160,8 @@ def on_update(g: engine_core.Guard, info: engine_core.UpdateInfo) -> None:
         if n:
             done.append(f"{n} running request(s) preempted, KV rebuilt with the new weights")
     elif policy == "abort":
-        ids = g.abort_running(f"weights changed (VLLM_RLPATCH_INFLIGHT=abort, via {info.source})")
+        how = "inflight=abort" if g.inflight_override else "VLLM_RLPATCH_INFLIGHT=abort"
+        ids = g.abort_running(f"weights changed ({how}, via {info.source})")
         st["aborted"] += len(ids)
         g.last_update["aborted"] = list(ids)
         if ids:

@@ -97,6 +97,19 @@ def coordinate(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
     """Yield ``(method, args, kwargs)`` worker RPCs; receive their per-worker results; return the outcome."""
     t0 = time.perf_counter()
     rpc_kw = {"inflight": req.get("inflight")}
+    if req.get("workers") == 1 and req.get("mode") == "direct":
+        # one worker, nothing to agree on across ranks: prepare and commit in a single round trip
+        res = yield ("rlpatch_refit_commit", (req["txid"],),
+                     {"version": req.get("version"), "release": True, "request": req, **rpc_kw})
+        out: dict[str, Any] = {"workers": res, "seconds_commit": time.perf_counter() - t0}
+        bad = [r for r in res if not r.get("ok")]
+        if not bad:
+            out.update(ok=True, state="committed", version=max((r.get("version") or 0) for r in res))
+            return out
+        r0 = bad[0]
+        out.update(ok=False, state=r0.get("state", "unchanged"), kind=r0.get("kind", "commit"),
+                   message=r0.get("message"), problems=r0.get("problems", []))
+        return out
     prep = yield ("rlpatch_refit_prepare", (req,), dict(rpc_kw))
     t_prep = time.perf_counter() - t0
     bad = [r for r in prep if not r.get("ok")]
@@ -393,7 +406,7 @@ def _collect(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
         if type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"):
             raise P.RefitError(f"{name}: a DTensor/FSDP shard; gather the full tensor (full_tensor()) first",
                                kind="validation")
-        out.append((name, t.detach()))
+        out.append((name, t))  # the object itself: a CUDA IPC handle is reused while it lives
     return out
 
 
@@ -504,7 +517,8 @@ def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
                "problems": probs}
         return _raise_or_report(out, tr, mode, tensors, metas, t0, stages, 0, raise_on_error)
     req = {"txid": uuid.uuid4().hex, "mode": mode, "partial": partial, "allow_cast": allow_cast,
-           "version": version, "inflight": inflight, "tensors": None, "transport": None}
+           "version": version, "inflight": inflight, "tensors": None, "transport": None, "verify": verify,
+           "workers": _workers_of(tgt)}
     bucket = int(bucket_bytes or P.DEFAULT_BUCKET_BYTES)
     if tr == "shm":
         if not tgt.same_host():
@@ -583,11 +597,16 @@ def _schema_for(tgt: _Target) -> P.Schema:
     if s is None:
         desc = tgt.describe()
         s = P.Schema.from_dict(desc[0]["schema"])
+        s.workers = len(desc)  # type: ignore[attr-defined]
         try:
             _SCHEMAS[key] = s
         except TypeError:
             pass
     return s
+
+
+def _workers_of(tgt: _Target) -> int | None:
+    return getattr(_schema_for(tgt), "workers", None)
 
 
 def _raise_or_report(out, tr, mode, tensors, metas, t0, stages, host_extra, raise_on_error) -> RefitReport:
@@ -638,7 +657,7 @@ async def push_weights_async(target: Any, named_tensors: Iterable[tuple[str, tor
                "problems": probs}
         return _raise_or_report(out, tr, mode, tensors, metas, t0, stages, 0, raise_on_error)
     req = {"txid": uuid.uuid4().hex, "mode": mode, "partial": partial, "allow_cast": allow_cast, "version": version,
-           "inflight": inflight}
+           "inflight": inflight, "verify": verify}
     pack = await asyncio.to_thread(T.ShmPack, tensors, metas, bucket, verify, _pool_for(tgt))
     try:
         stages["pack"] = pack.seconds_pack

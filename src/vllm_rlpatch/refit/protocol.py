@@ -142,6 +142,24 @@ def _fingerprint_parts(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([total, pos])
 
 
+def nonfinite_counts(tensors: list[torch.Tensor]) -> list[int]:
+    """:func:`nonfinite` of many tensors with one device synchronisation (the per-tensor fp32 sums are
+    stacked); only tensors whose sum is not finite are counted element by element."""
+    idx = [i for i, t in enumerate(tensors) if t.is_floating_point() and t.numel()]
+    out = [0] * len(tensors)
+    if not idx:
+        return out
+    by_dev: dict[str, list[int]] = {}
+    for i in idx:
+        by_dev.setdefault(str(tensors[i].device), []).append(i)
+    for dev, ii in by_dev.items():
+        ok = torch.isfinite(torch.stack([tensors[i].sum(dtype=torch.float32) for i in ii])).tolist()
+        for i, good in zip(ii, ok):
+            if not good:
+                out[i] = int((~torch.isfinite(tensors[i])).sum())
+    return out
+
+
 def nonfinite(t: torch.Tensor) -> int:
     """Number of NaN/inf values (0 for non-float tensors). One fp32 sum per tensor (NaN and inf propagate
     through it); only a tensor whose sum is not finite is counted element by element."""

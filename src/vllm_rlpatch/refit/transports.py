@@ -136,9 +136,10 @@ class ShmPack:
             self.paths = [p for p, _, _ in segs]
             self.seg_sizes = [n for _, n, _ in segs]
             maps = [m for _, _, m in segs]
-            for (name, t), m in zip(tensors, metas):
-                dst = maps[m.segment][m.offset: m.offset + m.nbytes].view(t.dtype).view(t.shape)
-                dst.copy_(t)
+            with torch.no_grad():
+                for (name, t), m in zip(tensors, metas):
+                    dst = maps[m.segment][m.offset: m.offset + m.nbytes].view(t.dtype).view(t.shape)
+                    dst.copy_(t)
             self.seconds_pack = time.perf_counter() - t0
             if fingerprint:
                 t1 = time.perf_counter()
@@ -216,9 +217,10 @@ class DistSender:
 
     def _bucket(self, seg: int) -> torch.Tensor:
         buf = torch.empty(self.sizes[seg], dtype=torch.uint8, device=self.device)
-        for (name, t), m in zip(self.tensors, self.metas):
-            if m.segment == seg:
-                buf[m.offset: m.offset + m.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        with torch.no_grad():
+            for (name, t), m in zip(self.tensors, self.metas):
+                if m.segment == seg:
+                    buf[m.offset: m.offset + m.nbytes].view(t.dtype).view(t.shape).copy_(t)
         return buf
 
     def _run(self) -> None:
@@ -258,10 +260,16 @@ class DistSender:
 
 
 # ------------------------------------------------------------------------------------------ cuda_ipc
+_HANDLES: dict[int, tuple[Any, int, bytes]] = {}  # id(tensor) -> (weakref, data_ptr, pickled handle)
+
+
 def ipc_handles(tensors: list[tuple[str, torch.Tensor]]) -> list[bytes]:
     """CUDA IPC handles of the trainer's tensors (no copy). Pickled: they travel to the engine's workers on
-    this host inside vLLM's RPC (whose msgpack carries bytes), never over a network."""
+    this host inside vLLM's RPC (whose msgpack carries bytes), never over a network. A tensor object passed
+    again (``model.named_parameters()`` each step) reuses its handle while it is alive and still points at
+    the same memory."""
     import pickle
+    import weakref
 
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -269,7 +277,18 @@ def ipc_handles(tensors: list[tuple[str, torch.Tensor]]) -> list[bytes]:
     for name, t in tensors:
         if not t.is_cuda:
             raise P.RefitError(f"cuda_ipc transport: {name} is on {t.device}, not a CUDA device", kind="validation")
-        out.append(pickle.dumps(reduce_tensor(t.detach())))
+        key = id(t)
+        hit = _HANDLES.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == t.data_ptr():
+            out.append(hit[2])
+            continue
+        h = pickle.dumps(reduce_tensor(t.detach()))
+        try:
+            ref = weakref.ref(t, lambda _r, k=key: _HANDLES.pop(k, None))
+            _HANDLES[key] = (ref, t.data_ptr(), h)
+        except TypeError:
+            pass
+        out.append(h)
     return out
 
 

@@ -100,6 +100,13 @@ class Snapshot:
     the engine that was there, including state the fingerprint cannot see."""
 
     def __init__(self, model, device: str = "same"):
+        self.names = []
+        seen = set()
+        for n, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+            if id(t) in seen or t.is_meta:
+                continue
+            seen.add(id(t))
+            self.names.append((n, t))
         self.modules = []
         self.data: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.nbytes = 0
@@ -118,6 +125,17 @@ class Snapshot:
                 self.data[id(t)] = (t, d, d.detach().to(target, copy=True))
                 self.nbytes += d.numel() * d.element_size()
 
+    def fingerprint(self) -> str:
+        """The fingerprint :func:`weights_fingerprint` gave the model when the snapshot was taken."""
+        named = []
+        for n, t in self.names:
+            rec = self.data.get(id(t))
+            if rec is not None:
+                named.append((n, rec[2]))
+        named.sort(key=lambda x: x[0])
+        fps = P.fingerprints([t for _, t in named])
+        return P.combine(f"{n}={f}" for (n, _), f in zip(named, fps))
+
     def restore(self) -> None:
         for mod, attrs, params, buffers, nonpersistent in self.modules:
             for k in [k for k in mod.__dict__ if k not in attrs and k not in ("_parameters", "_buffers", "_modules")]:
@@ -135,6 +153,18 @@ class Snapshot:
                 if t.data is not d:
                     t.data = d
                 d.copy_(saved)
+
+
+def _backup_place(model, dev: torch.device, want: str) -> str:
+    """Where an atomic update keeps the old weights: on the device when it has room (a device-to-device
+    copy), else in host memory; ``backup="cpu"``/``"device"`` force it."""
+    if dev.type != "cuda" or want == "cpu":
+        return "cpu" if dev.type == "cuda" else "same"
+    if want == "device":
+        return "same"
+    need = sum(t.numel() * t.element_size() for t in model.parameters())
+    free, _ = torch.cuda.mem_get_info(dev)
+    return "same" if free > need * 1.2 + (1 << 30) else "cpu"
 
 
 def weights_fingerprint(model) -> tuple[str, dict[str, str]]:
@@ -274,7 +304,9 @@ class DistSource(Source):
                 pass
 
 
-_IPC_OPEN: dict[bytes, torch.Tensor] = {}  # the last update's opened handles (reused while the trainer keeps them)
+# the last update's opened handles, per kind of source (reused while the trainer keeps its tensors)
+_IPC_OPEN: dict[bytes, torch.Tensor] = {}
+_IPC_LAYOUT: dict[bytes, torch.Tensor] = {}
 
 
 def _ipc_key(handle) -> bytes | None:
@@ -340,12 +372,12 @@ class LayoutSource(Source):
 
         h = self.spec["handle"]
         k = _ipc_key(h)
-        t = _IPC_OPEN.get(k) if k is not None else None
+        t = _IPC_LAYOUT.get(k) if k is not None else None
         if t is None:
             t = transports.ipc_open([h], self.device)[0]
-            _IPC_OPEN.clear()
+            _IPC_LAYOUT.clear()
             if k is not None:
-                _IPC_OPEN[k] = t
+                _IPC_LAYOUT[k] = t
         else:
             self.reused = 1
         self.buf = t
@@ -501,14 +533,17 @@ class WorkerRefit:
                     return _fail(kind, "unchanged", P.summarize(probs), stages, checks, probs)
                 t1 = _now()
                 model = self.model
-                tx.fp_before = weights_fingerprint(model)[0]
-                stages["fingerprint_before"] = _now() - t1
-                t1 = _now()
                 dev = _device_of(self.worker)
-                tx.snapshot = Snapshot(model, device="same" if dev.type == "cpu" else req.get("backup", "cpu"))
+                where = _backup_place(model, dev, req.get("backup", "auto"))
+                tx.snapshot = Snapshot(model, device=where)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
                 stages["backup"] = _now() - t1
-                tx.extra_host += tx.snapshot.nbytes if dev.type == "cpu" or req.get("backup", "cpu") == "cpu" else 0
-                checks.append("backup")
+                if where == "cpu" or dev.type == "cpu":
+                    tx.extra_host += tx.snapshot.nbytes
+                else:
+                    tx.extra_device += tx.snapshot.nbytes
+                checks.append(f"backup_{'host' if where == 'cpu' or dev.type == 'cpu' else 'device'}")
             self.txs[txid] = tx
             stages["prepare_total"] = _now() - t0
             return {"ok": True, "state": "unchanged", "stages": stages, "checks": list(checks), "pid": os.getpid(),
@@ -540,16 +575,16 @@ class WorkerRefit:
                                                              f"(fingerprint {g} != {want[n]})"))
             tx.checks.append("transport_fingerprint")
             tx.stages["check_fingerprint"] = _now() - t1
-        t1 = _now()
-        bad = []
-        for n, t in tensors.items():
-            nf = P.nonfinite(t)
-            if nf:
-                bad.append((n, nf, t.numel()))
-        for n, nf, tot in bad:
-            probs.append(P.problem("nonfinite", n, f"{n}: {nf} of {tot} values are NaN or infinite"))
-        tx.checks.append("finite")
-        tx.stages["check_finite"] = _now() - t1
+        if tx.mode == "atomic" or tx.req.get("verify", True):
+            t1 = _now()
+            names = list(tensors)
+            counts = P.nonfinite_counts([tensors[n] for n in names])
+            for n, nf in zip(names, counts):
+                if nf:
+                    probs.append(P.problem("nonfinite", n, f"{n}: {nf} of {tensors[n].numel()} values are NaN or "
+                                                           "infinite"))
+            tx.checks.append("finite")
+            tx.stages["check_finite"] = _now() - t1
         schema = self.schema()
         for alias, target in schema.aliases.items():
             if alias in tensors and target in tensors:
@@ -573,9 +608,15 @@ class WorkerRefit:
             if m.name not in aliases:
                 yield m.name, t
 
-    def commit(self, txid: str, version: int | None = None, release: bool = True) -> dict[str, Any]:
+    def commit(self, txid: str, version: int | None = None, release: bool = True,
+               request: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``request``: prepare and commit in one RPC (a single worker: nothing to agree on across ranks)."""
         from vllm_rlpatch.hooks import layerwise, weights
 
+        if request is not None:
+            prep = self.prepare(request)
+            if not prep.get("ok"):
+                return prep
         tx = self.txs.get(txid)
         if tx is None:
             return _fail("validation", "unchanged", f"no prepared update {txid!r} in this worker", {}, [])
@@ -708,12 +749,13 @@ class WorkerRefit:
         try:
             tx.snapshot.restore()
             fp = weights_fingerprint(model)[0]
+            before = tx.snapshot.fingerprint()  # the bit-exact copy of the old weights, taken before the update
         except Exception as e:  # noqa: BLE001
             logger.exception("vllm-rlpatch: restoring the old weights failed")
             return "mixed", f"restoring the old weights failed: {type(e).__name__}: {e}"
         tx.checks.append("restore_fingerprint")
-        if fp != tx.fp_before:
-            return "mixed", f"restored weights' fingerprint {fp} != {tx.fp_before} before the update"
+        if fp != before:
+            return "mixed", f"restored weights' fingerprint {fp} != {before} before the update"
         from vllm_rlpatch.hooks import layerwise
 
         layerwise.clear_mixed()
