@@ -45,6 +45,8 @@ def _server_token(port: Any) -> tuple[str, str]:
     tok = envs.HTTP_TOKEN.get()
     if tok:
         return tok, "VLLM_RLPATCH_HTTP_TOKEN"
+    import atexit
+
     tok = secrets.token_urlsafe(32)
     path = token_path(port)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -52,6 +54,16 @@ def _server_token(port: Any) -> tuple[str, str]:
     with os.fdopen(fd, "w") as fh:
         fh.write(tok)
     os.replace(path + ".tmp", path)
+
+    def _remove(p=path, t=tok):  # only our own token (a later server on this port wrote its own)
+        try:
+            with open(p) as fh:
+                if fh.read().strip() == t:
+                    os.unlink(p)
+        except OSError:
+            pass
+
+    atexit.register(_remove)
     return tok, path
 
 
