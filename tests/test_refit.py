@@ -84,7 +84,9 @@ def main(tmp_path_factory, weights):
     ops = [_gen("g0"), _fp("fp0"), *_bad_ops(BAD), _gen("g0_after_bad"),
            {"op": "sleep", "name": "sleep"}, {"op": "push", "name": "bad_asleep"}, _fp("fp_asleep"),
            {"op": "wake_up", "name": "wake"},
-           {"op": "push", "name": "push_B"}, {"op": "version", "name": "v_B"}, _gen("g_B"), _fp("fp_B"),
+           # 16 KiB buckets: most tensors are larger and travel alone in a segment of their own size
+           {"op": "push", "name": "push_B", "kw": {"bucket_bytes": 16 << 10}}, {"op": "version", "name": "v_B"},
+           _gen("g_B"), _fp("fp_B"),
            {"op": "push", "name": "bad_old_version", "bad": "old_version"}, _fp("fp_old_version"),
            {"op": "push", "name": "direct_nan", "bad": "direct_nan"}, _gen("g_poisoned"),
            {"op": "push", "name": "push_C_direct", "weights": "C", "kw": {"mode": "direct", "version": 10}},
@@ -165,6 +167,7 @@ def test_a_pushed_update_equals_a_fresh_engine_on_the_new_weights(main, stock, w
     rep = main["push_B"]["report"]
     assert rep["state"] == "committed" and rep["version"] == 1 and rep["transport"] == "shm"
     assert rep["bytes"] > 900_000 and rep["tensors"] == 21 and rep["gbps"] > 0
+    assert rep["buckets"] >= 15  # tensors larger than the 16 KiB bucket went alone, none refused
     assert {"metadata", "finite", "transport_fingerprint", "backup", "strict_reload"} <= set(rep["checks"])
     assert rep["peak_extra_host_bytes"] > 0 and rep["stages"]["worker_write"] > 0
     assert _same(_reqs(main, "g_B"), _reqs(stock, "g_B")) == 0.0  # a correct refit gives exactly 0

@@ -58,6 +58,7 @@ class RefitReport:
     recomputed_requests: int
     workers: list[dict[str, Any]]
     message: str = ""
+    buckets: int = 0  # shared-memory segments / broadcast buckets (a tensor larger than a bucket has its own)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -613,6 +614,8 @@ def _raise_or_report(out, tr, mode, tensors, metas, t0, stages, host_extra, rais
     nbytes = sum(m.nbytes for m in metas)
     rep = _report(out, transport=tr, mode=mode, nbytes=nbytes, n=len(metas), seconds=time.perf_counter() - t0,
                   stages=stages, host_extra=host_extra)
+    if tr in ("shm", "dist"):
+        rep.buckets = len({m.segment for m in metas})
     if not rep.ok and raise_on_error:
         raise P.RefitError(f"weight update not applied ({rep.state}): {out.get('message')}", kind=out.get("kind",
                            "commit"), state=rep.state, problems=out.get("problems", []), report=rep)
