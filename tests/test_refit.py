@@ -168,7 +168,7 @@ def test_a_pushed_update_equals_a_fresh_engine_on_the_new_weights(main, stock, w
     assert rep["state"] == "committed" and rep["version"] == 1 and rep["transport"] == "shm"
     assert rep["bytes"] > 900_000 and rep["tensors"] == 21 and rep["gbps"] > 0
     assert rep["buckets"] >= 15  # tensors larger than the 16 KiB bucket went alone, none refused
-    assert {"metadata", "finite", "transport_fingerprint", "backup", "strict_reload"} <= set(rep["checks"])
+    assert {"metadata", "finite", "transport_fingerprint", "backup_host", "strict_reload"} <= set(rep["checks"])
     assert rep["peak_extra_host_bytes"] > 0 and rep["stages"]["worker_write"] > 0
     assert _same(_reqs(main, "g_B"), _reqs(stock, "g_B")) == 0.0  # a correct refit gives exactly 0
     m = _vs_reference(_reqs(main, "g_B"), weights["llama-tiny"]["B"])
