@@ -30,7 +30,7 @@ for v in "${versions[@]}"; do
   fi
   t1=$(date +%s)
   echo "=== vLLM $v: tests ($py)"
-  "$py" -m pytest tests -p no:cacheprovider -q -rs --timeout=1200 --ignore=tests/source_level "${extra[@]}"
+  "$py" -m pytest tests -p no:cacheprovider -q -rs --durations=15 --timeout=1200 --ignore=tests/source_level "${extra[@]}"
   rc=$?
   t2=$(date +%s)
   [ $rc -eq 0 ] || status=1
