@@ -10,7 +10,29 @@ def _tensors(path):
     return load_file(path)
 
 
-class FrameworkExtension:
+class HeadProbeExtension:
+    def head_probe(self, seed=0):
+        """Logits of the worker's real model for random hidden states vs F.linear(h.float(), w.float()):
+        the lm_head's dtype, the logits' dtype and the largest difference to the fp32 and bf16 products."""
+        import torch
+        import torch.nn.functional as F
+
+        model = self.model_runner.model
+        head = model.lm_head
+        w = head.weight
+        g = torch.Generator().manual_seed(seed)
+        h = (torch.randn(5, w.shape[1], generator=g) * 2).to(w.dtype).to(w.device)
+        with torch.no_grad():
+            logits = model.compute_logits(h)
+            ref = F.linear(h.float(), w.float())[..., : logits.shape[-1]]
+            ref_bf16 = F.linear(h, w)[..., : logits.shape[-1]].float()
+        return {"weight_dtype": str(w.dtype), "logits_dtype": str(logits.dtype),
+                "max_diff_fp32": float((logits.float() - ref).abs().max()),
+                "max_diff_model_dtype": float((logits.float() - ref_bf16).abs().max()),
+                "fp32_vs_model_dtype": float((ref - ref_bf16).abs().max())}
+
+
+class FrameworkExtension(HeadProbeExtension):
     def framework_hello(self):
         return {"pid": os.getpid(), "has_rlpatch": hasattr(self, "rlpatch_ping")}
 

@@ -22,6 +22,9 @@ PROMPTS = ["the quick cat sees", "12 + 7 =", "count: 3 4 5", "the small model up
 GREEDY = {"prompts": PROMPTS, "sampling": {"temperature": 0.0, "max_tokens": 16, "logprobs": 0}}
 EXT = "helpers_ext.FrameworkExtension"
 STOCK = {"VLLM_RLPATCH_ENABLED": "0"}
+# The plugin's engines here keep vLLM's bf16 head so that "equal to a fresh stock engine" can be exact
+# (the fp32 head is tested in test_rl_correctness.py / test_parity.py).
+BF16_HEAD = {"VLLM_RLPATCH_FP32_LM_HEAD": "0"}
 # every class of bad input a trainer can send (see tests/scripts/refit_engine.py for what each one does)
 BAD = ["unknown", "missing", "shape", "dtype", "nan", "inf", "duplicate", "empty", "not_tensor", "half_layer",
        "sender_stops"]
@@ -99,7 +102,7 @@ def main(tmp_path_factory, weights):
            {"op": "push", "name": "push_B_dist", "kw": {"transport": "dist", "bucket_bytes": 256 << 10}},
            _gen("g_B_dist"), {"op": "version", "name": "v_B_dist"}]
     return _run(tmp_path_factory.mktemp("main"), {"model": model_path(), "worker_extension_cls": EXT},
-                {"B": w["B"], "C": w["C"]}, ops)
+                {"B": w["B"], "C": w["C"]}, ops, **BF16_HEAD)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +125,7 @@ def qwen(tmp_path_factory, weights):
            _fp("fp_tied_mismatch"), {"op": "push", "name": "push_B"}, _gen("g_B"),
            {"op": "push", "name": "push_C", "weights": "C"}, _gen("g_C")]
     return _run(tmp_path_factory.mktemp("qwen"), {"model": model_path("qwen2-tiny")}, {"B": w["B"], "C": w["C"]},
-                ops, tied=True)
+                ops, tied=True, **BF16_HEAD)
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +293,7 @@ def ray_run(tmp_path_factory, weights):
     d = tmp_path_factory.mktemp("ray")
     f = d / "spec.json"
     f.write_text(json.dumps(spec))
-    r, log = run_script("ray_refit.py", str(f), cwd=d)
+    r, log = run_script("ray_refit.py", str(f), cwd=d, **BF16_HEAD)
     r["_log"] = log
     return r
 

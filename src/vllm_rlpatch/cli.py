@@ -3,6 +3,8 @@
     vllm-rlpatch doctor [--json] [--model PATH] [engine args...]
     vllm-rlpatch demo   [--model NAME|PATH] [--temperature T] [--top-p P] [--max-tokens N]
     vllm-rlpatch patches [--markdown]
+    vllm-rlpatch parity  [--model PATH] [--temperature T] [--top-p P] [--top-k K] [--runs N]
+                         [--json PATH] [--plot PATH.png] [--max-error X] ...
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ def _demo(argv: list[str]) -> int:
     return demo.main(argv)
 
 
+def _parity(argv: list[str]) -> int:
+    from vllm_rlpatch import parity
+
+    return parity.main(argv)
+
+
 def _doctor(argv: list[str]) -> int:
     from vllm_rlpatch import doctor
 
@@ -39,6 +47,7 @@ def _doctor(argv: list[str]) -> int:
 
 
 COMMANDS = {
+    "parity": (_parity, "rollout-vs-trainer logprob agreement: stock, each fix, all; before/after a weight update"),
     "doctor": (_doctor, "versions, each patch's state and reason, an engine's RL settings and their provenance"),
     "demo": (_demo, "doctor + a short generate on the embedded model, showing what the plugin changed"),
     "patches": (_patches, "list the patch specs (name, vLLM range, fixed_in, toggle, upstream)"),

@@ -106,6 +106,10 @@ def engine_settings(model: str, engine_argv: list[str]) -> dict[str, Any]:
             row = {"setting": label, "value": _jsonable(eff), "source": "user" if is_user else "stock",
                    "by": None, "stock": None, "reason": "not touched by the plugin", "detection": how}
         rows.append(row)
+    head = decided.get("head_dtype")
+    if head is not None:  # vLLM < 0.32 has no head_dtype for generation: the plugin's value is the effective one
+        rows.append({"setting": "lm_head dtype", "value": _jsonable(head.value), "source": head.source,
+                     "by": head.owner, "stock": "model", "reason": head.reason, "detection": head.detection})
     rows.extend(_engine_core_policies(vllm_config))
     return {"model": model, "engine_args": engine_argv, "settings": rows}
 
@@ -144,6 +148,15 @@ TRAINER_NOTE = ("trainer side: compute the reference logprobs with the same samp
                 "top-k/top-p) the rollouts used - processed_logprobs are that distribution's")
 
 
+def _head_note(statuses: list[Any]) -> str:
+    st = {s.name: s.state for s in statuses}.get("fp32_lm_head")
+    if st == "applied":
+        return ("fp32_lm_head is on: the engine's logits are float32, so compute the trainer's in float32 too "
+                "(vllm_rlpatch.trainer.fp32_lm_head(model)); fp32 on one side only can make the mismatch worse")
+    return (f"fp32_lm_head is {st}: the engine's logits are in the model dtype; keep the trainer's head in the "
+            "model dtype too, or turn the patch on and use vllm_rlpatch.trainer.fp32_lm_head(model)")
+
+
 def collect(model: str | None = None, engine_argv: list[str] | None = None) -> dict[str, Any]:
     from vllm_rlpatch import __version__, envs, plugin, registry
     from vllm_rlpatch.hooks import explicit
@@ -173,7 +186,7 @@ def collect(model: str | None = None, engine_argv: list[str] | None = None) -> d
         "env": {"warnings": env_warnings,
                 "set": {k: v for k, v in os.environ.items() if k.startswith(envs.PREFIX)}},
         "patches": [s.as_dict() for s in registry.status()],
-        "notes": [TRAINER_NOTE],
+        "notes": [TRAINER_NOTE, _head_note(registry.status())],
     }
     if model is not None:
         report["engine"] = engine_settings(model, engine_argv or [])

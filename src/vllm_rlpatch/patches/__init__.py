@@ -3,6 +3,7 @@
 from vllm_rlpatch.patches import (
     async_preempt_discard,
     cpu_amx_permission,
+    fp32_lm_head,
     mq_bind_retry,
     prefix_cache,
     refit_guard,
@@ -18,6 +19,7 @@ ALL_PATCHES = (
     weight_events.SPEC,
     worker_extension.SPEC,
     rl_defaults.SPEC,
+    fp32_lm_head.SPEC,
     prefix_cache.SPEC,
     refit_guard.SPEC,
     refit_http.SPEC,
