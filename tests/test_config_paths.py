@@ -11,7 +11,7 @@ import pytest
 from conftest import SCRIPTS, model_path, run_py
 
 ALL_MODES = ["engine_args", "engine_args:raw+auto", "async_engine_args", "async_engine_args:raw+auto", "cli",
-             "cli:raw+auto"]
+             "cli:raw+auto", "engine_args:head", "cli:head"]
 ENTRY = ["engine_args", "async_engine_args", "cli"]
 
 
@@ -130,3 +130,23 @@ def test_invalid_env_value_is_a_clear_error():
                VLLM_RLPATCH_RL_DEFAULTS="sometimes")
     assert r.returncode != 0
     assert "VLLM_RLPATCH_RL_DEFAULTS='sometimes' is not a boolean" in r.stderr
+
+
+@pytest.mark.parametrize("mode", ["engine_args", "async_engine_args", "cli"])
+def test_fp32_head_unless_the_user_set_a_head_dtype(enabled, mode):
+    """vLLM >= 0.32: the config's head_dtype becomes float32 (vLLM then projects in fp32 itself); < 0.32 has
+    no head dtype for generation models, so the plugin's LogitsProcessor does it (the config keeps bf16)."""
+    from packaging.version import Version
+
+    out, log = enabled
+    r = out[mode]
+    p = r["provenance"]["head_dtype"]
+    assert (p["source"], p["owner"], p["value"]) == ("plugin", "fp32_lm_head", "float32"), p
+    native = Version(r["vllm"].split("+")[0]) >= Version("0.32")
+    assert r["head_dtype"] == ("torch.float32" if native else "torch.bfloat16"), r
+    if mode != "cli":
+        return
+    user = out["cli:head"] if mode == "cli" else out["engine_args:head"]
+    for u in (user, out["engine_args:head"]):
+        assert u["head_dtype"] == "torch.bfloat16" and u["provenance"]["head_dtype"]["source"] == "user", u
+    assert "head_dtype='bfloat16' was set explicitly and is kept" in log

@@ -21,6 +21,9 @@ def test_readme_tables_are_generated_from_the_code():
 
 def test_readme_commands_and_ci_agree():
     readme = (ROOT / "README.md").read_text()
-    assert "bash scripts/demo.sh" in readme and "bash ci/test.sh" in readme
+    commands = readme[readme.index("## The two commands"):readme.index("## Install")]
+    assert "bash scripts/parity.sh" in commands and "bash ci/test.sh" in commands
     assert "bash ci/test.sh" in (ROOT / ".ci" / "run").read_text()
-    assert (ROOT / "scripts" / "demo.sh").exists() and (ROOT / "CHANGELOG.md").exists()
+    assert (ROOT / "scripts" / "parity.sh").exists() and (ROOT / "scripts" / "demo.sh").exists()
+    assert "vllm-rlpatch\" parity" in (ROOT / "scripts" / "parity.sh").read_text()
+    assert (ROOT / "CHANGELOG.md").exists()

@@ -33,7 +33,8 @@ def expected_applied(version: str) -> set[str]:
     from packaging.version import Version
 
     v = Version(version.split("+")[0])
-    out = {"weight_events", "worker_extension", "rl_defaults", "prefix_cache", "refit_guard", "refit_http"}
+    out = {"weight_events", "worker_extension", "rl_defaults", "fp32_lm_head", "prefix_cache", "refit_guard",
+           "refit_http"}
     if v < Version("0.22"):
         out.add("async_preempt_discard")
     if v < Version("0.28"):

@@ -3,6 +3,7 @@
     python config_paths.py MODE MODEL [extra CLI args...]
 MODE[,MODE...]: engine_args | async_engine_args | cli, optionally with ":FLAG+FLAG" passed explicitly:
   raw  logprobs_mode=raw_logprobs     auto  generation_config=auto     pc  enable_prefix_caching=True
+  head hf_overrides={"head_dtype": "bfloat16"}
 Prints `RESULT {...}` with the effective settings and, if the plugin is active, their provenance.
 """
 
@@ -29,6 +30,8 @@ def one(mode, model):
         kw["generation_config"] = "auto"
     if "pc" in flags:
         kw["enable_prefix_caching"] = True
+    if "head" in flags:
+        kw["hf_overrides"] = {"head_dtype": "bfloat16"}
     common = dict(dtype="bfloat16", max_model_len=256)
     if base == "engine_args":  # what vllm.LLM(...) builds from its kwargs
         ea = EngineArgs(model=model, **common, **kw)
@@ -48,6 +51,8 @@ def one(mode, model):
             argv += ["--generation-config", "auto"]
         if "pc" in flags:
             argv += ["--enable-prefix-caching"]
+        if "head" in flags:
+            argv += ["--hf-overrides", '{"head_dtype": "bfloat16"}']
         args = parser.parse_args(argv + sys.argv[3:])
         if getattr(args, "model_tag", None):
             args.model = args.model_tag
@@ -61,7 +66,9 @@ def one(mode, model):
            "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
            "async_scheduling": cfg.scheduler_config.async_scheduling,
            "default_sampling": cfg.model_config.get_diff_sampling_param(),
-           "worker_extension_cls": cfg.parallel_config.worker_extension_cls}
+           "worker_extension_cls": cfg.parallel_config.worker_extension_cls,
+           "head_dtype": str(cfg.model_config.head_dtype),
+           "hf_head_dtype": str(getattr(cfg.model_config.hf_config, "head_dtype", None))}
     try:
         from vllm_rlpatch.hooks import config as config_hook
 

@@ -18,10 +18,11 @@ How:   vLLM >= 0.32: a config contributor adds ``head_dtype="float32"`` to ``hf_
        ``F.linear(h.float(), w.float())`` elsewhere (torch has no CPU ``mm.dtype``), over vocab chunks of
        at most ``CHUNK_BYTES`` so no full fp32 copy of a large head is ever held. Quantized heads keep the
        model dtype with one WARNING; LoRA engines too (vLLM < 0.32's LoRA logits path projects on its own
-       and adds bf16 deltas), with one WARNING at engine creation. Weights are not touched: refits and the
-       checkpoint dtype are unchanged.
+       and adds bf16 deltas), with one WARNING at engine creation. A head dtype the user set in
+       ``hf_overrides`` (which vLLM < 0.32 ignores for generation models) is honoured. Weights are not
+       touched: refits and the checkpoint dtype are unchanged.
 Targets: EngineArgs.create_engine_config (config hook); vllm.model_executor.layers.logits_processor:
-       LogitsProcessor._get_logits / get_top_tokens / _apply_head; vllm.model_executor.layers.
+       LogitsProcessor.__init__ / _get_logits / get_top_tokens / _apply_head; vllm.model_executor.layers.
        vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply (lazy: wrapped when vLLM imports them).
 Upstream: 0.32 added ``head_dtype`` for generation models (off by default: "required for RL training-inference
        consistency" in its docstring); nothing for 0.20/0.25. Peers: PipelineRL matched its reference only
@@ -128,8 +129,8 @@ def _mark(lm_head) -> bool:
     return w.is_floating_point() and w.dtype != torch.float32
 
 
-def _run_marked(wrapped, lm_head, args, kwargs):
-    if not _mark(lm_head):
+def _run_marked(wrapped, lm_head, args, kwargs, instance=None):
+    if not getattr(instance, "_rlpatch_fp32", True) or not _mark(lm_head):
         return wrapped(*args, **kwargs)
     prev = getattr(_TLS, "on", False)
     _TLS.on = True
@@ -142,13 +143,13 @@ def _run_marked(wrapped, lm_head, args, kwargs):
 def _get_logits_wrapper(wrapped, instance, args, kwargs):
     # _get_logits(self, hidden_states, lm_head, embedding_bias)
     lm_head = args[1] if len(args) > 1 else kwargs.get("lm_head")
-    return _run_marked(wrapped, lm_head, args, kwargs)
+    return _run_marked(wrapped, lm_head, args, kwargs, instance)
 
 
 def _top_tokens_wrapper(wrapped, instance, args, kwargs):
     # get_top_tokens(self, lm_head, hidden_states, embedding_bias=None)
     lm_head = args[0] if args else kwargs.get("lm_head")
-    return _run_marked(wrapped, lm_head, args, kwargs)
+    return _run_marked(wrapped, lm_head, args, kwargs, instance)
 
 
 def _emb_apply_wrapper(wrapped, instance, args, kwargs):
@@ -165,16 +166,28 @@ def _emb_apply_wrapper(wrapped, instance, args, kwargs):
 
 # ------------------------------------------------------------------------------------------ vLLM >= 0.32
 def _lp_init_wrapper(wrapped, instance, args, kwargs):
+    """Decide per LogitsProcessor, while vLLM builds the model under its config: vLLM >= 0.32 - was the fp32
+    head the plugin's choice (a quantized head then falls back instead of raising); vLLM < 0.32 - project in
+    fp32 unless the user set another head dtype in hf_overrides or the engine has LoRA."""
     out = wrapped(*args, **kwargs)
     try:
         from vllm.config import get_current_vllm_config
 
-        mc = get_current_vllm_config().model_config
+        vc = get_current_vllm_config()
+        mc = vc.model_config
+    except Exception:  # no current config (a LogitsProcessor built outside an engine)
+        vc = mc = None
+    if _native():
         instance._rlpatch_head_by_plugin = bool(mc is not None and getattr(mc.hf_config, MARKER, False))
-    except Exception:  # no current config (a LogitsProcessor built outside an engine): upstream behaviour
-        instance._rlpatch_head_by_plugin = False
-    if getattr(instance, "head_dtype", None) is not None:
-        RUNTIME["mechanism"] = "head_dtype"
+        if getattr(instance, "head_dtype", None) is not None:
+            RUNTIME["mechanism"] = "head_dtype"
+        return out
+    user = getattr(mc.hf_config, "head_dtype", None) if mc is not None else None
+    fp32 = user is None or str(user).lower() in ("float32", "fp32", "torch.float32")
+    if vc is not None and getattr(vc, "lora_config", None) is not None:
+        _warn_once("lora", LORA_FALLBACK)
+        fp32 = False
+    instance._rlpatch_fp32 = fp32
     return out
 
 
@@ -254,11 +267,12 @@ def contribute(engine_args: Any, ctx: config_hook.ConfigContext) -> None:
 
 
 # ------------------------------------------------------------------------------------------ apply/revert
-_LAZY_OLD = (_wrapping.LazyWrap(T_GET_LOGITS, _get_logits_wrapper, OWNER),
+_INIT = _wrapping.LazyWrap(T_LP_INIT, _lp_init_wrapper, OWNER)  # both paths decide in LogitsProcessor.__init__
+_LAZY_OLD = (_INIT,
+             _wrapping.LazyWrap(T_GET_LOGITS, _get_logits_wrapper, OWNER),
              _wrapping.LazyWrap(T_TOP_TOKENS, _top_tokens_wrapper, OWNER),
              _wrapping.LazyWrap(T_EMB_APPLY, _emb_apply_wrapper, OWNER))
-_LAZY_NEW = (_wrapping.LazyWrap(T_LP_INIT, _lp_init_wrapper, OWNER),
-             _wrapping.LazyWrap(T_APPLY_HEAD, _apply_head_wrapper, OWNER))
+_LAZY_NEW = (_INIT, _wrapping.LazyWrap(T_APPLY_HEAD, _apply_head_wrapper, OWNER))
 
 
 def apply() -> None:
@@ -269,7 +283,7 @@ def apply() -> None:
 
 def revert() -> None:
     config_hook.remove_contributor(NAME)
-    for lw in _LAZY_NEW + _LAZY_OLD:
+    for lw in (_INIT,) + _LAZY_OLD[1:] + _LAZY_NEW[1:]:
         lw.revert()
 
 
@@ -278,7 +292,7 @@ SPEC = PatchSpec(
     summary="The lm_head projects in fp32 (vLLM 0.32+: head_dtype; 0.20/0.25: the LogitsProcessor, no fp32 weight copy)",
     vllm=">=0.20",
     targets=(config_hook.TARGET,),
-    lazy_targets=(T_GET_LOGITS, T_TOP_TOKENS, T_EMB_APPLY),
+    lazy_targets=(T_LP_INIT, T_GET_LOGITS, T_TOP_TOKENS, T_EMB_APPLY),
     apply=apply,
     revert=revert,
     upstream="0.32 added hf_overrides head_dtype (off by default); nothing in 0.20/0.25",
