@@ -46,9 +46,16 @@ def llama(tmp_path_factory):
     return {"dir": d, "out": p.stdout, "err": p.stderr, "report": json.loads((d / "r.json").read_text())}
 
 
+# The tied-embedding model runs on one version (CI time): 0.25.1, where the fp32 head is the plugin's own
+# LogitsProcessor path (0.32 uses vLLM's head_dtype; the head probe covers every version on llama).
+QWEN_VERSION = "0.25.1"
+
+
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def qwen(tmp_path_factory, version):
     """The tied-embedding model, stock vs all; --max-error below what bf16 can reach must exit 1."""
+    if version.split("+")[0] != QWEN_VERSION:
+        pytest.skip(f"the qwen2-tiny parity run is on vLLM {QWEN_VERSION} only (CI time)")
     d = tmp_path_factory.mktemp("parity-qwen")
     p = _parity(d, "--model", "qwen2-tiny", "--configs", "stock,all", "--json", str(d / "r.json"),
                 "--workdir", str(d / "wd"), "--jobs", "2", "--no-progress", "--max-error", "1.0001",
@@ -116,8 +123,16 @@ def test_numbers_match_an_independent_computation(llama, config):
             assert mine[a] == pytest.approx(theirs[b], rel=1e-4, abs=1e-6), (config, phase, a, mine, theirs)
 
 
-def test_stock_exceeds_the_bound_and_all_fixes_stay_within_1_005(llama, qwen):
-    for rep in (llama["report"], qwen["report"]):
+def test_stock_exceeds_the_bound_and_all_fixes_stay_within_1_005(llama):
+    _bounds(llama["report"])
+
+
+def test_the_tied_embedding_model_too(qwen):
+    _bounds(qwen["report"])
+
+
+def _bounds(*reports):
+    for rep in reports:
         s = rep["configs"]
         assert s["stock"]["engine"]["logprobs_mode"] == "raw_logprobs"
         for phase in ("before_refit", "after_refit"):
