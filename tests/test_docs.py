@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from vllm_rlpatch import table
+from vllm_rlpatch import table, upstream
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,6 +17,7 @@ def test_readme_tables_are_generated_from_the_code():
     hint = "run: vllm-rlpatch patches --update-readme README.md"
     assert _section(readme, "patch-table") == table.markdown(), hint
     assert _section(readme, "env-table") == table.env_markdown(), hint
+    assert _section(readme, "upstream-table") == upstream.markdown(upstream.load_all()), hint
 
 
 def test_readme_commands_and_ci_agree():

@@ -5,6 +5,7 @@
     vllm-rlpatch patches [--markdown]
     vllm-rlpatch parity  [--model PATH] [--temperature T] [--top-p P] [--top-k K] [--runs N]
                          [--json PATH] [--plot PATH.png] [--max-error X] ...
+    vllm-rlpatch upstream [--list | --markdown | --show NAME | --check [NAME] | --path NAME]
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def _parity(argv: list[str]) -> int:
     return parity.main(argv)
 
 
+def _upstream(argv: list[str]) -> int:
+    from vllm_rlpatch import upstream
+
+    return upstream.main(argv)
+
+
 def _doctor(argv: list[str]) -> int:
     from vllm_rlpatch import doctor
 
@@ -50,6 +57,7 @@ COMMANDS = {
     "parity": (_parity, "rollout-vs-trainer logprob agreement: stock, each fix, all; before/after a weight update"),
     "doctor": (_doctor, "versions, each patch's state and reason, an engine's RL settings and their provenance"),
     "demo": (_demo, "doctor + a short generate on the embedded model, showing what the plugin changed"),
+    "upstream": (_upstream, "upstream-ready diffs of the fixes: base, upstream status, runtime patch; --check"),
     "patches": (_patches, "list the patch specs (name, vLLM range, fixed_in, toggle, upstream)"),
 }
 

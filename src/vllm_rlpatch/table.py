@@ -51,7 +51,11 @@ def regenerate_readme(path: str) -> bool:
     """Rewrite the generated sections of the README in place. Returns True if it changed."""
     with open(path, encoding="utf-8") as fh:
         old = fh.read()
+    from vllm_rlpatch import upstream
+
     new = replace_between(replace_between(old, "patch-table", markdown()), "env-table", env_markdown())
+    if "<!-- upstream-table:start -->" in new:
+        new = replace_between(new, "upstream-table", upstream.markdown(upstream.load_all()))
     if new != old:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(new)

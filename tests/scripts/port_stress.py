@@ -183,6 +183,22 @@ def tcpstore(start_at, hold, threads, mq_ip):
 
     def one():
         _wait_until(start_at)
+        if hasattr(rx.RayWorkerProc, "create_dist_init_method"):  # upstream_patches/tcpstore_port applied
+            # the rank-0 actor binds the store on port 0 and publishes its address: nothing to race for
+            import types
+
+            fake = types.SimpleNamespace(_parallel_config=types.SimpleNamespace(world_size=1))
+            try:
+                method = rx.RayWorkerProc.create_dist_init_method(fake)
+                port, err = int(method.rsplit(":", 1)[1]), None
+            except Exception as e:  # noqa: BLE001
+                port, err = -1, f"{type(e).__name__}: {e}"
+            _wait_until(bind_at)
+            with lock:
+                results.append({"port": port, "how": "create_dist_init_method()", "mq_port": None,
+                                "bound": err is None, "error": err})
+                keep.append((fake, None))
+            return
         if hasattr(rx.RayExecutorV2, "_select_tcpstore_port"):  # 0.25+: DP off -> local rank 0, master port 0
             port = rx.RayExecutorV2._select_tcpstore_port(0, 0)
             how = "_select_tcpstore_port(0, 0)"

@@ -2,40 +2,18 @@
 still exists in its Python tree (the wheel is downloaded once and cached outside the repo)."""
 
 import os
-import subprocess
-import sys
-import zipfile
-from pathlib import Path
 
 import pytest
 
+from vllm_rlpatch import upstream
 from vllm_rlpatch.targets import all_targets, resolve_in_source
 
 NEWEST = os.environ.get("VLLM_RLPATCH_TEST_NEWEST_VLLM", "0.34.0")
-CACHE = Path(os.environ.get("VLLM_RLPATCH_ENV_CACHE", Path.home() / ".cache" / "vllm-rlpatch" / "envs")).parent / "src"
-
-
-def _tree(version: str) -> Path:
-    dest = CACHE / f"vllm-{version}"
-    if (dest / ".complete").exists():
-        return dest
-    CACHE.mkdir(parents=True, exist_ok=True)
-    wheels = CACHE / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
-                    f"vllm=={version}"], check=True)
-    (whl,) = wheels.glob(f"vllm-{version}-*.whl")
-    with zipfile.ZipFile(whl) as z:
-        for name in z.namelist():
-            if name.startswith("vllm/") and name.endswith(".py"):
-                z.extract(name, dest)
-    (dest / ".complete").touch()
-    whl.unlink()  # keep only the Python tree (the wheel is ~340 MB)
-    return dest
 
 
 @pytest.fixture(scope="module")
 def tree():
-    return _tree(NEWEST)
+    return upstream.pristine_tree(NEWEST)
 
 
 def test_version_of_tree(tree):
