@@ -4,6 +4,7 @@
 #   ci/test.sh                      # vLLM 0.20.2, 0.25.1 and 0.32.0 (CPU builds), then the source-level check
 #   ci/test.sh 0.32.0               # one version
 #   ci/test.sh 0.25.1 -- -k engine  # extra pytest arguments after --
+#   RLPATCH_TEST_LANES=1 ci/test.sh # one test file at a time (default: 2 concurrent pytest processes)
 #
 # Each version's environment is built once and cached outside the repo (ci/envs/build_env.sh). Prints the
 # environment-build and test time per version; exits non-zero if any version fails.
@@ -18,6 +19,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#versions[@]} -gt 0 ] || versions=(0.20.2 0.25.1 0.32.0)
+LANES="${RLPATCH_TEST_LANES:-2}"
 extra=("$@")
 declare -a summary
 status=0
@@ -30,7 +32,9 @@ for v in "${versions[@]}"; do
   fi
   t1=$(date +%s)
   echo "=== vLLM $v: tests ($py)"
-  "$py" -m pytest tests -p no:cacheprovider -q -rs --durations=15 --timeout=1200 --ignore=tests/source_level "${extra[@]}"
+  # Test files run in $LANES concurrent pytest processes (ci/shards.py says why); the port-race file alone.
+  "$py" ci/shards.py --lanes "$LANES" --alone tests/test_port_races.py --ignore tests/source_level tests \
+    -- -p no:cacheprovider -q -rs --timeout=1200 "${extra[@]}"
   rc=$?
   t2=$(date +%s)
   [ $rc -eq 0 ] || status=1

@@ -31,10 +31,11 @@ def _errors(r):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# MessageQueue: 16 processes, remote readers, VLLM_PORT set
+# MessageQueue: 8 processes (each imports vLLM: that, not the creations, is the test's time), remote readers,
+# VLLM_PORT set
 @only_with_mq_bug
 def test_mq_stress_unpatched_fails():
-    r = portrace.mq_trial(procs=16, count=2, delay=1.0, patched=False)  # 1 s: robust to start skew
+    r = portrace.mq_trial(procs=8, count=2, delay=1.0, patched=False)  # 1 s: robust to start skew
     assert r["failed"] > 0, r
     assert "Address already in use" in _errors(r), r
     assert r["corrupted"] == 0 and r["delivered"] == r["created"], r
@@ -42,7 +43,7 @@ def test_mq_stress_unpatched_fails():
 
 @only_with_mq_bug
 def test_mq_stress_patched_never_fails():
-    r = portrace.mq_trial(procs=16, count=63, delay=0.3, patched=True)
+    r = portrace.mq_trial(procs=8, count=126, delay=0.3, patched=True)
     assert r["attempts"] >= 1000
     assert r["failed"] == 0, r
     assert r["delivered"] == r["attempts"] and r["corrupted"] == 0, r
@@ -126,12 +127,12 @@ def test_two_hosts_patched(two_hosts, ipv6):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# TCPStore: 32 concurrent non-DP engine inits (8 processes x 4 threads), real selection + real TCPStore bind
+# TCPStore: 32 concurrent non-DP engine inits (4 processes x 8 threads), real selection + real TCPStore bind
 @only_with_store_bug
 def test_tcpstore_concurrent_inits_unpatched_collide():
     if os.geteuid() != 0 and V >= Version("0.25"):
         pytest.skip("the port-100 collision needs root (non-root cannot bind port 100 and falls back)")
-    r = portrace.tcpstore_trial(procs=8, threads=4, hold=2.0, patched=False, vllm_port=portrace.free_band(64))
+    r = portrace.tcpstore_trial(procs=4, threads=8, hold=2.0, patched=False, vllm_port=portrace.free_band(64))
     assert r["inits"] == 32 and r["store_bind_failures"] > 0, r
     assert "EADDRINUSE" in _errors(r) or "address already in use" in _errors(r).lower(), r
     if "_select_tcpstore_port(0, 0)" in r["how"]:
@@ -142,7 +143,7 @@ def test_tcpstore_concurrent_inits_unpatched_collide():
 @pytest.mark.parametrize("with_port", [True, False], ids=["VLLM_PORT", "ephemeral"])
 def test_tcpstore_concurrent_inits_patched(with_port):
     port = portrace.free_band(64) if with_port else None
-    r = portrace.tcpstore_trial(procs=8, threads=4, hold=1.0, patched=True, vllm_port=port)
+    r = portrace.tcpstore_trial(procs=4, threads=8, hold=1.0, patched=True, vllm_port=port)
     assert r["inits"] == 32 and r["store_bind_failures"] == 0 and r["distinct_ports"] == 32, r
     assert r["most_common_port"][0] != 100, r
 
