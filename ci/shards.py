@@ -35,6 +35,7 @@ COST = {
     "tests/test_parity.py": 310,
     "tests/test_inflight.py": 230,
     "tests/test_serve.py": 200,
+    "tests/test_upstream_behaviour.py": 170,
     "tests/test_rl_correctness.py": 130,
     "tests/test_doctor.py": 110,
     "tests/test_config_paths.py": 80,

@@ -42,7 +42,7 @@ for v in "${versions[@]}"; do
   last_py="$py"
 done
 if [ ${#extra[@]} -eq 0 ] && [ -n "$last_py" ]; then
-  echo "=== newest vLLM release: source-level target check"
+  echo "=== source level: targets in the newest vLLM release, upstream diffs on their pristine bases"
   t0=$(date +%s)
   "$last_py" -m pytest tests/source_level -p no:cacheprovider -q -rs --timeout=1200
   rc=$?

@@ -64,6 +64,28 @@ def _assert_port_held(port: int) -> None:
     assert exc_info.value.errno == errno.EADDRINUSE
 
 
+@pytest.fixture(autouse=True)
+def _destroy_zmq_contexts(monkeypatch):
+    """Destroy every zmq context the queues under test create.
+
+    A writer whose bind fails (the bug) raises from ``__init__`` with its
+    socket still open; when its context is garbage collected, ``zmq_ctx_term``
+    would wait for that socket forever and hang the test process instead of
+    reporting the failure.
+    """
+    made: list[zmq.Context] = []
+
+    class TrackingContext(shm_broadcast.Context):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(shm_broadcast, "Context", TrackingContext)
+    yield
+    for ctx in made:
+        ctx.destroy(linger=0)
+
+
 def _close(*mqs: MessageQueue) -> None:
     for mq in mqs:
         if mq.remote_socket is not None:
