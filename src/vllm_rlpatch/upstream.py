@@ -161,7 +161,10 @@ def pristine_tree(version: str, *, log=print) -> Path:
 
 
 def _git(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=str(cwd), capture_output=True, text=True)
+    # Never inside an enclosing repository: there `git apply` takes paths from the repository's root and
+    # silently skips those outside the current directory.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(Path(cwd).resolve().parent)}
+    return subprocess.run(["git", *args], cwd=str(cwd), capture_output=True, text=True, env=env)
 
 
 def apply_to(patch: UpstreamPatch, tree: Path, *, reverse_check: bool = True) -> list[str]:
