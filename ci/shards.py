@@ -48,7 +48,7 @@ COST = {
 
 def _summary_line(log: str) -> str:
     for line in reversed(log.strip().splitlines()):
-        if " in " in line and any(w in line for w in ("passed", "failed", "error", "skipped", "no tests")):
+        if " in " in line and any(w in line for w in ("passed", "failed", "error", "skipped", "deselected", "no tests")):
             return line.strip("= ").strip()
     return "(no pytest summary)"
 
