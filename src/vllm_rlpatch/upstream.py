@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import py_compile
 import shutil
 import subprocess
 import sys
@@ -204,9 +205,10 @@ def check(patch: UpstreamPatch, version: str | None = None, *, log=print) -> dic
         for rel in patch.files_touched():
             f = work / rel
             if rel.endswith(".py") and f.exists():
-                r = subprocess.run([sys.executable, "-m", "py_compile", str(f)], capture_output=True, text=True)
-                if r.returncode != 0:
-                    raise UpstreamError(f"{patch.name}: {rel} does not compile after applying: {r.stderr[-500:]}")
+                try:
+                    py_compile.compile(str(f), doraise=True)
+                except py_compile.PyCompileError as e:
+                    raise UpstreamError(f"{patch.name}: {rel} does not compile after applying: {e.msg[-500:]}")
                 compiled.append(rel)
     return {"name": patch.name, "version": version, "steps": steps, "compiled": compiled}
 
