@@ -243,6 +243,7 @@ def tcpstore_trial(*, procs: int, threads: int, hold: float, patched: bool | Non
     return {"inits": len(inits), "store_bind_failures": len(failed),
             "failure_rate": round(len(failed) / len(inits), 4) if inits else None,
             "distinct_ports": len(set(store_ports)), "most_common_port": Counter(store_ports).most_common(1)[0],
+            "port_range": [min(store_ports), max(store_ports)] if store_ports else None,
             "mq_took_store_port": len(mq_clash), "how": sorted({t["how"] for t in inits}),
             "vllm_port": vllm_port, "as_root": os.geteuid() == 0,
             "errors": sorted({t["error"].splitlines()[0][:200] for t in failed})[:3], "wall_s": round(time.time() - t0, 1)}

@@ -31,10 +31,12 @@ def _run(tmp_path, new_weights, expect_update_error=False, push_kw=None, refused
             "update_after": 8}
     if push_kw is not None:  # the refit API with a per-update in-flight policy instead of reload_weights
         spec.update(update="push", push_kw=push_kw, refused_first=list(refused_first))
+    tmp_path.mkdir(parents=True, exist_ok=True)
     f = tmp_path / "spec.json"
     f.write_text(json.dumps(spec))
     r, log = run_script("inflight.py", str(f), cwd=tmp_path, **env)
-    assert (r["update_error"] is not None) is expect_update_error, r["update_error"]
+    if expect_update_error is not None:
+        assert (r["update_error"] is not None) is expect_update_error, r["update_error"]
     r["log"] = log
     return r
 
@@ -133,8 +135,17 @@ def test_a_refused_reset_is_retried_and_never_serves_stale_kv(reset_keep, new_we
 
 
 def test_refuse_rejects_the_update_before_anything_is_written(tmp_path, new_weights):
-    # reload_weights, refused by VLLM_RLPATCH_INFLIGHT=refuse
-    r = _run(tmp_path, new_weights, expect_update_error=True, VLLM_RLPATCH_INFLIGHT="refuse")
+    # reload_weights, refused by VLLM_RLPATCH_INFLIGHT=refuse. The script starts the update once the front end
+    # has seen 8 tokens of the first request; on a loaded machine the engine core can be far ahead and have
+    # finished both requests by then (CI saw it once on 0.25.1). Then the update is correctly *not* refused,
+    # and the engine core says so by not logging that weights changed under running requests: run again.
+    for attempt in range(3):
+        r = _run(tmp_path / str(attempt), new_weights, expect_update_error=None, VLLM_RLPATCH_INFLIGHT="refuse")
+        if r["update_error"] is not None or "weights changed" in r["log"]:
+            break
+        print(f"attempt {attempt}: no request was running when the update reached the engine core "
+              f"(front end had seen them finish: {r['first_finished_at_update']}); again")
+    assert r["update_error"] is not None, r["log"][-3000:]
     assert "refused" in r["update_error"] and "VLLM_RLPATCH_INFLIGHT=refuse" in r["update_error"]
     old = R.load(model_path())
     for q in r["inflight"] + r["during"]:  # the weights never changed: version 0 throughout, old weights

@@ -136,7 +136,10 @@ def test_tcpstore_concurrent_inits_unpatched_collide():
     assert r["inits"] == 32 and r["store_bind_failures"] > 0, r
     assert "EADDRINUSE" in _errors(r) or "address already in use" in _errors(r).lower(), r
     if "_select_tcpstore_port(0, 0)" in r["how"]:
-        assert r["most_common_port"][0] == 100, r  # the port-100 bug, VLLM_PORT or not
+        # the port-100 bug, VLLM_PORT or not: every engine probes upward from 100 in a 32-port window, so they
+        # crowd onto 100 and the next few (which one is most common depends on who bound first)
+        lo, hi = r["port_range"]
+        assert lo == 100 and hi < 132 and r["distinct_ports"] < r["inits"] // 2, r
 
 
 @only_with_store_bug

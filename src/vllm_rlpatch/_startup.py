@@ -36,8 +36,12 @@ class _HookedLoader:
         for hook in _HOOKS.pop(self._name, ()):
             try:
                 hook(module)
-            except Exception:  # never break the import of vLLM itself
-                pass
+            except Exception as e:  # never break the import of vLLM itself, but say so
+                import logging
+
+                logging.getLogger("vllm.rlpatch").error(
+                    "vllm-rlpatch: a patch could not be installed when %s was imported: %s: %s",
+                    self._name, type(e).__name__, e)
 
     def __getattr__(self, attr):  # get_source, get_filename, is_package, ...
         return getattr(self._loader, attr)

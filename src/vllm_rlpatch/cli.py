@@ -5,6 +5,8 @@
     vllm-rlpatch patches [--markdown]
     vllm-rlpatch parity  [--model PATH] [--temperature T] [--top-p P] [--top-k K] [--runs N]
                          [--json PATH] [--plot PATH.png] [--max-error X] ...
+    vllm-rlpatch kv-pin  --model PATH [--trainer-reserve-gib N] [--margin-gib M] [--level 1|2]
+                         [--rollout-tokens N | --max-concurrent-seqs S --seq-len L] [--json OUT] [engine args...]
     vllm-rlpatch upstream [--list | --markdown | --show NAME | --check [NAME] | --path NAME]
 """
 
@@ -47,6 +49,12 @@ def _upstream(argv: list[str]) -> int:
     return upstream.main(argv)
 
 
+def _kv_pin(argv: list[str]) -> int:
+    from vllm_rlpatch import kvpin
+
+    return kvpin.main(argv)
+
+
 def _doctor(argv: list[str]) -> int:
     from vllm_rlpatch import doctor
 
@@ -57,6 +65,7 @@ COMMANDS = {
     "parity": (_parity, "rollout-vs-trainer logprob agreement: stock, each fix, all; before/after a weight update"),
     "doctor": (_doctor, "versions, each patch's state and reason, an engine's RL settings and their provenance"),
     "demo": (_demo, "doctor + a short generate on the embedded model, showing what the plugin changed"),
+    "kv-pin": (_kv_pin, "measure the largest KV-cache pin that survives sleep -> trainer reserve -> wake (CUDA)"),
     "upstream": (_upstream, "upstream-ready diffs of the fixes: base, upstream status, runtime patch; --check"),
     "patches": (_patches, "list the patch specs (name, vLLM range, fixed_in, toggle, upstream)"),
 }

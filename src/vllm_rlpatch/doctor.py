@@ -111,7 +111,42 @@ def engine_settings(model: str, engine_argv: list[str]) -> dict[str, Any]:
         rows.append({"setting": "lm_head dtype", "value": _jsonable(head.value), "source": head.source,
                      "by": head.owner, "stock": "model", "reason": head.reason, "detection": head.detection})
     rows.extend(_engine_core_policies(vllm_config))
-    return {"model": model, "engine_args": engine_argv, "settings": rows}
+    kv_rows, kv_warning = _kv_rows(vllm_config)
+    rows.extend(kv_rows)
+    out = {"model": model, "engine_args": engine_argv, "settings": rows}
+    if kv_warning:
+        out["warnings"] = [kv_warning]
+    return out
+
+
+def _kv_rows(vllm_config: Any) -> tuple[list[dict[str, Any]], str | None]:
+    """KV capacity of a pinned engine (estimated from the model shape; the engine core logs the exact
+    figure at start-up) and the declared rollout (VLLM_RLPATCH_ROLLOUT_TOKENS) against it."""
+    from vllm_rlpatch import envs
+    from vllm_rlpatch.patches import kv_cache_pin
+
+    pinned = _get_path(vllm_config, "cache_config.kv_cache_memory_bytes")
+    rollout = envs.ROLLOUT_TOKENS.get()
+    rows, warning = [], None
+    est = kv_cache_pin.estimate_tokens(vllm_config, int(pinned)) if pinned else None
+    if pinned:
+        rows.append({"setting": "KV capacity (estimate)", "value": f"{est:,} tokens" if est is not None else "?",
+                     "source": "plugin", "by": kv_cache_pin.NAME, "stock": None,
+                     "reason": f"{envs.format_size(pinned)} / (K+V of every layer per token); exact figure in "
+                               "the engine's start-up log", "detection": "model shape"})
+    else:
+        rows.append({"setting": "KV capacity", "value": "set at start-up", "source": "stock", "by": kv_cache_pin.NAME,
+                     "stock": None, "reason": "not pinned: vLLM sizes the KV cache from gpu_memory_utilization when "
+                     "the engine starts; next to a trainer that sleeps/wakes, pin it (`vllm-rlpatch kv-pin`)",
+                     "detection": "kv_cache_memory_bytes unset"})
+    if rollout is not None:
+        warning = kv_cache_pin.check_rollout(est, rollout) if est is not None else None
+        rows.append({"setting": "rollout tokens", "value": f"{rollout:,}", "source": "user", "by": kv_cache_pin.NAME,
+                     "stock": None, "detection": "VLLM_RLPATCH_ROLLOUT_TOKENS",
+                     "reason": ("TOO SMALL a KV cache: " + warning) if warning else
+                     (f"fits the pinned KV cache ({est:,} tokens)" if est is not None else
+                      "checked at engine start-up (the KV cache is not pinned)")})
+    return rows, warning
 
 
 def _engine_core_policies(vllm_config: Any) -> list[dict[str, Any]]:
@@ -221,6 +256,8 @@ def render(report: dict[str, Any]) -> str:
             val = str(r["value"])
             val = val if len(val) <= 48 else val[:45] + "..."
             lines.append(f"  {r['setting']:<26} {val:<48} {r['source']:<7} {r['reason']}")
+        for w in eng.get("warnings", []):
+            lines.append(f"  WARNING  {w}")
     return "\n".join(lines)
 
 

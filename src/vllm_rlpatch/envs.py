@@ -149,8 +149,81 @@ HTTP_REMOTE = EnvVar(
     "1 = the refit routes also accept clients that are not on loopback (the token is still required).",
 )
 
+_DECIMAL = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BINARY = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# vLLM's own CLI convention (human_readable_int): lower-case k/m/g/t decimal, upper-case K/M/G/T binary
+_VLLM_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+SIZE_HELP = ("a byte count: 21474836480, 20GiB, 20.5GiB, 21.5GB, or vLLM's CLI form (20G = 20 GiB, 20g = 20e9); "
+             "KiB/MiB/GiB/TiB are binary, KB/MB/GB/TB decimal")
+
+
+def parse_size(raw: str, what: str = "value") -> int:
+    """``"20GiB"`` -> 21474836480. Raises :class:`EnvError` naming ``what`` and the accepted forms."""
+    import re
+
+    text = str(raw).strip().replace("_", "").replace(" ", "")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", text)
+    if not m:
+        raise EnvError(f"{what}={raw!r} is not a size; use {SIZE_HELP}")
+    number, unit = float(m.group(1)), m.group(2)
+    if unit in _VLLM_SUFFIX:
+        mult = _VLLM_SUFFIX[unit]
+    elif unit.lower() in _DECIMAL:
+        mult = _DECIMAL[unit.lower()]
+    elif unit.lower() in _BINARY:
+        mult = _BINARY[unit.lower()]
+    else:
+        raise EnvError(f"{what}={raw!r}: unknown unit {unit!r}; use {SIZE_HELP}")
+    value = int(number * mult)
+    if value <= 0:
+        raise EnvError(f"{what}={raw!r} must be larger than 0")
+    return value
+
+
+def format_size(n: int | float) -> str:
+    """21474836480 -> '20.00 GiB' (binary units, 2 decimals)."""
+    n = float(n)
+    for unit, mult in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= mult:
+            return f"{n / mult:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_token_count(raw: str, what: str = "value") -> int:
+    """Tokens a rollout step keeps in the KV cache at once: ``262144``, ``256k``/``1.5M`` (decimal), or
+    ``SEQSxLEN`` (concurrent sequences x prompt+generation length, e.g. ``256x4096``)."""
+    import re
+
+    text = str(raw).strip().replace("_", "").replace(" ", "").lower()
+    m = re.fullmatch(r"(\d+)[x*](\d+)", text)
+    if m:
+        value = int(m.group(1)) * int(m.group(2))
+    else:
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", text)
+        if not m:
+            raise EnvError(f"{what}={raw!r} is not a token count; use a number (262144, 256k, 1.5M) or "
+                           "SEQSxLEN (256x4096: concurrent sequences x prompt+generation tokens)")
+        value = int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6}[m.group(2)])
+    if value <= 0:
+        raise EnvError(f"{what}={raw!r} must be larger than 0")
+    return value
+
+
+KV_CACHE_BYTES = EnvVar(
+    PREFIX + "KV_CACHE_BYTES", lambda name, raw: parse_size(raw, name), None,
+    "KV-cache pin: applied as `kv_cache_memory_bytes` to every engine that did not set it (`kv_cache_pin`); "
+    "`vllm-rlpatch kv-pin` measures the value that survives sleep -> trainer -> wake. Accepts " + SIZE_HELP + ".",
+)
+ROLLOUT_TOKENS = EnvVar(
+    PREFIX + "ROLLOUT_TOKENS", lambda name, raw: parse_token_count(raw, name), None,
+    "Tokens the rollout keeps in the KV cache at once (`262144`, `256k`, or `256x4096` = concurrent sequences x "
+    "prompt+generation length): an engine whose KV cache holds fewer WARNs at start-up and `doctor` flags it "
+    "(requests would queue or be preempted: the silent throughput drop of a too-small pin).",
+)
+
 GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, STRICT, LOG_LEVEL, STATUS_DIR, INFLIGHT, PORT_LEASE_S, PORT_BAND,
-                                   PORT_LEASE_DIR, REFIT_SHM_DIR, HTTP_TOKEN, HTTP_REMOTE)
+                                   PORT_LEASE_DIR, REFIT_SHM_DIR, HTTP_TOKEN, HTTP_REMOTE, KV_CACHE_BYTES,
+                                   ROLLOUT_TOKENS)
 
 
 def patch_toggle(patch_name: str, default: bool) -> EnvVar:

@@ -85,6 +85,14 @@ class RLPatchWorkerExtension:
 
         return worker.for_worker(self).layout()
 
+    def rlpatch_memory(self) -> dict[str, Any]:
+        """This worker's device memory (``vllm-rlpatch kv-pin``): device free/total, PyTorch's allocator,
+        the sleep-mode pools by tag (weights, kv_cache, ...; the bytes a wake-up maps again) and the
+        KV cache vLLM allocated."""
+        from vllm_rlpatch import kvpin
+
+        return kvpin.worker_memory(self)
+
     def rlpatch_fingerprint(self) -> dict[str, Any]:
         """Bit-level fingerprint of every parameter and buffer of this worker's model (and a digest)."""
         from vllm_rlpatch.refit import worker

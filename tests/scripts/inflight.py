@@ -76,6 +76,8 @@ async def main(spec):
             update_error = f"{type(e).__name__}: {e}"
             res["update_error_kind"] = getattr(e, "kind", None)
         res["update_error"] = update_error
+        # what the front end had seen when the update returned (it may lag the engine core under load)
+        res["first_finished_at_update"] = [i in finals for i in range(len(spec["prompts"]))]
         # While the first requests still run (and hold the blocks of their prompts): the same prompts again.
         sp2 = vllm.SamplingParams(temperature=1.0, max_tokens=16, logprobs=0, seed=5, ignore_eos=True)
         during = {}

@@ -60,13 +60,17 @@ class ConfigContext:
         return explicit.stock_default(type(self.engine_args), name)
 
     def propose(self, name: str, value: Any, *, owner: str, reason: str,
-                user_consequence: str | None = None) -> Setting:
+                user_consequence: str | None = None, none_is_unset: bool = False) -> Setting:
         """Set ``name`` to ``value`` unless the user passed it explicitly.
 
         ``user_consequence``: logged once as a WARNING when an explicit user value differs from the
-        plugin's (what the user gives up for RL by keeping it)."""
+        plugin's (what the user gives up for RL by keeping it). ``none_is_unset``: an explicit ``None``
+        counts as not set (``vllm.LLM`` passes some of its own parameters, e.g. ``kv_cache_memory_bytes``,
+        as ``None`` whatever the user wrote)."""
         is_user, how = self.explicit(name)
         current = getattr(self.engine_args, name)
+        if is_user and none_is_unset and current is None:
+            is_user, how = False, how + "; None counts as unset"
         stock = self.stock(name)
         if is_user:
             s = Setting(name, current, "user", owner, stock, "passed explicitly; the plugin leaves it", how)

@@ -24,8 +24,8 @@ How:   - every layerwise reload is strict (:mod:`vllm_rlpatch.hooks.layerwise`):
          half-way) the engine refuses requests (front end: a clear error; engine core: aborted) until a
          complete update lands.
 Targets: vllm.model_executor.model_loader.reload.layerwise.{finalize_layerwise_processing,_layerwise_process},
-       vllm.v1.worker.gpu_worker.Worker.{sleep,wake_up,execute_model}, vllm.v1.worker.cpu_worker.CPUWorker.
-       {sleep,wake_up}, vllm.v1.engine.llm_engine.LLMEngine.add_request,
+       vllm.v1.worker.gpu_worker.Worker.{sleep,execute_model}, vllm.v1.worker.cpu_worker.CPUWorker.sleep,
+       both wake_up (through the shared hooks/wake.py), vllm.v1.engine.llm_engine.LLMEngine.add_request,
        vllm.v1.engine.async_llm.AsyncLLM.add_request; the weight hooks (worker update scope, model.load_weights
        router) and the engine-core hook (policy).
 Upstream: not reported upstream (silent "Failed to load weights"/"Delayed processing" in layerwise.py; no
@@ -42,7 +42,7 @@ import weakref
 from typing import Any
 
 from vllm_rlpatch import _wrapping
-from vllm_rlpatch.hooks import engine_core, layerwise, weights
+from vllm_rlpatch.hooks import engine_core, layerwise, wake, weights
 from vllm_rlpatch.registry import PatchSpec
 
 logger = logging.getLogger("vllm.rlpatch")
@@ -70,12 +70,9 @@ def _sleep_wrapper(wrapped, instance, args, kwargs):
     return result
 
 
-def _wake_wrapper(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    tags = args[0] if args else kwargs.get("tags")
+def _after_wake(worker, tags) -> None:
     if tags is None or "weights" in tags:
-        object.__setattr__(instance, "_rlpatch_weights_asleep", False)
-    return result
+        object.__setattr__(worker, "_rlpatch_weights_asleep", False)
 
 
 # ------------------------------------------------------------------------------------------ vLLM's update paths
@@ -304,10 +301,8 @@ def _on_rpc_error(engine: Any, method: str, exc: BaseException) -> None:
 
 _LAZY = [
     _wrapping.LazyWrap(f"{WORKER}.sleep", _sleep_wrapper, NAME),
-    _wrapping.LazyWrap(f"{WORKER}.wake_up", _wake_wrapper, NAME),
     _wrapping.LazyWrap(f"{WORKER}.execute_model", _execute_wrapper, NAME),
     _wrapping.LazyWrap(f"{CPU_WORKER}.sleep", _sleep_wrapper, NAME),
-    _wrapping.LazyWrap(f"{CPU_WORKER}.wake_up", _wake_wrapper, NAME),
     *(_wrapping.LazyWrap(t, _front_add_request, NAME) for t in FRONTEND),
 ]
 _unsubscribe = None
@@ -326,10 +321,12 @@ def apply() -> None:
     engine_core.add_policy(POLICY)
     for lz in _LAZY:
         lz.apply()
+    wake.add(NAME, after=_after_wake)
 
 
 def revert() -> None:
     global _unsubscribe
+    wake.remove(NAME)
     for lz in _LAZY:
         lz.revert()
     engine_core.remove_policy(NAME)
