@@ -39,6 +39,7 @@ COST = {
     "tests/test_rl_correctness.py": 130,
     "tests/test_doctor.py": 110,
     "tests/test_kv_pin.py": 150,
+    "tests/test_rollout.py": 120,
     "tests/test_config_paths.py": 80,
     "tests/test_contract.py": 50,
     "tests/test_async_preempt.py": 35,

@@ -7,6 +7,9 @@
                          [--json PATH] [--plot PATH.png] [--max-error X] ...
     vllm-rlpatch kv-pin  --model PATH [--trainer-reserve-gib N] [--margin-gib M] [--level 1|2]
                          [--rollout-tokens N | --max-concurrent-seqs S --seq-len L] [--json OUT] [engine args...]
+    vllm-rlpatch rollout-dump --model PATH --embedded|--prompts FILE [--n N] [--seeds 1,2,3] --out RUN{seed}.jsonl
+    vllm-rlpatch rollout-diff A1.jsonl A2.jsonl ... -- B1.jsonl B2.jsonl ... [--reference MODEL] [--json] [--plot]
+    vllm-rlpatch bounds RUN.jsonl ... --metric NAME [--margin X]
     vllm-rlpatch upstream [--list | --markdown | --show NAME | --check [NAME] | --path NAME]
 """
 
@@ -55,6 +58,24 @@ def _kv_pin(argv: list[str]) -> int:
     return kvpin.main(argv)
 
 
+def _rollout_dump(argv: list[str]) -> int:
+    from vllm_rlpatch import rollout
+
+    return rollout.dump(argv)
+
+
+def _rollout_diff(argv: list[str]) -> int:
+    from vllm_rlpatch import rollout
+
+    return rollout.diff(argv)
+
+
+def _bounds(argv: list[str]) -> int:
+    from vllm_rlpatch import rollout
+
+    return rollout.bounds(argv)
+
+
 def _doctor(argv: list[str]) -> int:
     from vllm_rlpatch import doctor
 
@@ -66,6 +87,9 @@ COMMANDS = {
     "doctor": (_doctor, "versions, each patch's state and reason, an engine's RL settings and their provenance"),
     "demo": (_demo, "doctor + a short generate on the embedded model, showing what the plugin changed"),
     "kv-pin": (_kv_pin, "measure the largest KV-cache pin that survives sleep -> trainer reserve -> wake (CUDA)"),
+    "rollout-dump": (_rollout_dump, "sample every prompt n times per seed; one JSON line per sample (A/B input)"),
+    "rollout-diff": (_rollout_diff, "A vs B over repeated runs: spreads, bootstrap CIs, flags beyond the spread"),
+    "bounds": (_bounds, "a floor and a ceiling for one statistic from repeated measured runs"),
     "upstream": (_upstream, "upstream-ready diffs of the fixes: base, upstream status, runtime patch; --check"),
     "patches": (_patches, "list the patch specs (name, vLLM range, fixed_in, toggle, upstream)"),
 }
@@ -77,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         print()
         for name, (_, doc) in COMMANDS.items():
-            print(f"  {name:<8} {doc}")
+            print(f"  {name:<12} {doc}")
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
         from vllm_rlpatch import __version__

@@ -118,7 +118,12 @@ def measure(backend: Backend, *, progress: bool = True, t0: float | None = None)
     _log(progress, t0, f"{dev['name']}: {envs.format_size(dev['total'])}, {envs.format_size(baseline)} in use "
                        f"before the engine; starting the measuring engine (sleep mode, KV probe "
                        f"{envs.format_size(PROBE_KV)})")
-    eng = backend.start(PROBE_KV)
+    try:
+        eng = backend.start(PROBE_KV)
+    except Exception as e:
+        raise KvPinError(f"the measuring engine did not start: {type(e).__name__}: {str(e).splitlines()[0][:500]} "
+                         "(engine arguments go after the kv-pin options, e.g. --gpu-memory-utilization when the GPU "
+                         "is shared)") from e
     try:
         eng.generate(32)  # warm-up: the activation peak stays in PyTorch's cache
         mem = eng.memory()
