@@ -12,7 +12,8 @@ prompts (16), n=4, T=0.7, top-p 0.9, max_tokens 64, EOS allowed.
 2. Calibration on one version (rlpatch, max_tokens 16 so that the limit binds): seeds 1..12 of the baseline; null comparisons = random disjoint
    3-vs-3 splits of those 12 (the false-positive rate per statistic); planted differences, 6 seeds each:
    max_tokens -12.5 % (14; -10 % of 16 rounds to it), top-p 0.95, raw logprobs (logprobs_mode=raw_logprobs), ignore_eos; power = the share
-   of random 3-vs-3 draws (baseline vs planted) flagged, per statistic.
+   of random 3-vs-3 draws (baseline vs planted) flagged, per statistic. And max_tokens 10 vs 9, where the
+   limit binds for most samples, with its own null calibration.
 Writes OUTDIR/rollout_ab.json (summaries; the dumps stay in OUTDIR/dumps) and prints the tables.
 """
 
@@ -148,8 +149,40 @@ def main() -> int:
             "power": {s: round(hits[s] / args.power_draws, 3) for s in stats},
             "all_runs_12_vs_6": summary(full)}
         print(f"\n=== planted {name}: power " + json.dumps(report["calibration"]["planted"][name]["power"]), flush=True)
+    report["calibration"]["max_tokens_binding"] = binding_max_tokens(pys[v], d, ref, args.bootstrap)
     (out / "rollout_ab.json").write_text(json.dumps(report, indent=1, default=str))
     return 0
+
+
+def binding_max_tokens(py: str, d: Path, ref, reps: int) -> dict:
+    """max_tokens -10 % where the limit binds for most samples: 10 vs 9 (completions end at ~12 tokens).
+    Its own null calibration (200 splits of the 12 baseline runs) and power (100 draws)."""
+    base_p, mt_p = str(d / "mt-base10-{seed}.jsonl"), str(d / "mt-9-{seed}.jsonl")
+    dump(py, base_p, list(range(1, 13)), ["--max-tokens", "10"])
+    dump(py, mt_p, list(range(101, 107)), ["--max-tokens", "9"])
+    base = rollout.load_side([base_p.format(seed=s) for s in range(1, 13)], ref)
+    mt9 = rollout.load_side([mt_p.format(seed=s) for s in range(101, 107)], ref)
+    stats = tuple(s for s in rollout.STATS if s in rollout.compare(base[:2], base[2:4], reps=100))
+    rng = random.Random(0)
+    fp, anyf = {s: 0 for s in stats}, 0
+    for i in range(200):
+        pick = rng.sample(range(12), 6)
+        res = rollout.compare([base[j] for j in pick[:3]], [base[j] for j in pick[3:]], stats, reps=reps, seed=i)
+        for s, r in res.items():
+            fp[s] += r["flag"]
+        anyf += any(r["flag"] for r in res.values())
+    hits = {s: 0 for s in stats}
+    for i in range(100):
+        res = rollout.compare(rng.sample(base, 3), rng.sample(mt9, 3), stats, reps=reps, seed=1000 + i)
+        for s, r in res.items():
+            hits[s] += r["flag"]
+    full = rollout.compare(base, mt9, stats, reps=1000, seed=7)
+    out = {"baseline": "max_tokens 10 (binds for most samples)", "baseline_seeds": list(range(1, 13)),
+           "planted": "max_tokens 9 (-10 %)", "planted_seeds": list(range(101, 107)), "null_splits": 200,
+           "false_positive_rate": {s: fp[s] / 200 for s in stats}, "any_statistic_flagged_rate": anyf / 200,
+           "power_draws": 100, "power": {s: hits[s] / 100 for s in stats}, "all_runs_12_vs_6": summary(full)}
+    print("\n=== max_tokens 10 vs 9: power " + json.dumps(out["power"]), flush=True)
+    return out
 
 
 if __name__ == "__main__":
