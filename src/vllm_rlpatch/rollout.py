@@ -383,30 +383,28 @@ def table(res: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_VALUED = ("--reference", "--bootstrap", "--json", "--plot", "--stats", "--seed")
+
+
 def _split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """``A... -- B...`` with options anywhere: (A paths, B paths, options with their values)."""
     if "--" not in argv:
         raise RolloutError("separate the two sides with --: rollout-diff A1.jsonl A2.jsonl -- B1.jsonl B2.jsonl")
     i = argv.index("--")
-    left, right = argv[:i], argv[i + 1:]
-    opts, a = [], []
-    it = iter(left)
-    for x in it:
-        if x.startswith("--"):
-            opts.append(x)
-            if x in ("--reference", "--bootstrap", "--json", "--plot", "--stats", "--seed"):
-                opts.append(next(it, ""))
-        else:
-            a.append(x)
-    b = []
-    it = iter(right)
-    for x in it:
-        if x.startswith("--"):
-            opts.append(x)
-            if x in ("--reference", "--bootstrap", "--json", "--plot", "--stats", "--seed"):
-                opts.append(next(it, ""))
-        else:
-            b.append(x)
-    return a, b, opts
+    opts: list[str] = []
+    sides = []
+    for half in (argv[:i], argv[i + 1:]):
+        paths = []
+        it = iter(half)
+        for x in it:
+            if x.startswith("--"):
+                opts.append(x)
+                if x in _VALUED:
+                    opts.append(next(it, ""))
+            else:
+                paths.append(x)
+        sides.append(paths)
+    return sides[0], sides[1], opts
 
 
 def diff(argv: list[str]) -> int:
