@@ -55,6 +55,19 @@ def _summary_line(log: str) -> str:
     return "(no pytest summary)"
 
 
+def _skips(xml_path: Path) -> list[str]:
+    """`file::test: reason` for every skipped test (pytest's -rs summary, kept per file)."""
+    if not xml_path.exists():
+        return []
+    out = []
+    for tc in ET.parse(xml_path).getroot().iter("testcase"):
+        sk = tc.find("skipped")
+        if sk is not None:
+            reason = (sk.get("message") or sk.text or "").strip().splitlines()
+            out.append(f"{tc.get('name')}: {reason[0] if reason else '?'}")
+    return out
+
+
 def _cases(xml_path: Path) -> list[tuple[float, str]]:
     if not xml_path.exists():
         return []
@@ -100,6 +113,8 @@ def main() -> int:
 
     def run(f: str, lane: str) -> None:
         xml = tmp / (f.replace("/", "_") + ".xml")
+        with lock:
+            print(f"[{lane} +{time.time() - t_start:5.0f}s] {f}: started", flush=True)
         t0 = time.time()
         p = subprocess.run([sys.executable, "-m", "pytest", f, *pytest_opts, f"--junitxml={xml}",
                             "-o", "junit_family=xunit1"],
@@ -110,6 +125,8 @@ def main() -> int:
             results[f] = (p.returncode, dt, str(xml))
             print(f"[{lane} +{time.time() - t_start:5.0f}s] {f}: {_summary_line(p.stdout)} "
                   f"({dt:.0f}s{'' if ok else f', pytest exit {p.returncode}'})", flush=True)
+            for line in _skips(xml):
+                print(f"    skipped {line}", flush=True)
             if not ok:
                 print(f"----- {f}: full output -----\n{p.stdout}\n----- end of {f} -----", flush=True)
 

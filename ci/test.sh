@@ -23,6 +23,12 @@ LANES="${RLPATCH_TEST_LANES:-2}"
 extra=("$@")
 declare -a summary
 status=0
+# Hosts differ (issue: tests must not depend on the CPU kind): say which kind this is, from the CPU flags.
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  echo "=== host CPU: AMX (amx_tile in /proc/cpuinfo); $(nproc) cores"
+else
+  echo "=== host CPU: no AMX (no amx_tile in /proc/cpuinfo); $(nproc) cores"
+fi
 last_py=""
 for v in "${versions[@]}"; do
   echo "=== vLLM $v: environment"

@@ -30,16 +30,28 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
+def amx_host() -> bool:
+    """Does this host's CPU have AMX tiles? Read from the CPU flags (``amx_tile`` in /proc/cpuinfo), not from
+    torch or vLLM, so the tests' expectations do not come from the code under test."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return any(line.startswith("flags") and "amx_tile" in line.split() for line in fh)
+    except OSError:
+        return False
+
+
 def amx_sigill_here() -> bool:
-    """vLLM >= 0.32 CPU on a host with AMX: stock vLLM's AMX attention kernel dies with SIGILL unless the
-    process asked for the AMX permission (the plugin's cpu_amx_permission patch does)."""
-    import torch
+    """A host where *stock* vLLM (the plugin's kill switch thrown, so not even cpu_amx_permission) dies with
+    SIGILL in its AMX attention kernel: an AMX CPU and vLLM >= 0.28 (seen on 0.28.0 and 0.32.0; 0.20/0.25
+    happened to run because a oneDNN GEMM requested the permission first). Tests that need vLLM as installed
+    use the `stock` profile instead (VLLM_RLPATCH_PROFILE=stock keeps the host fixes) and run everywhere."""
     from packaging.version import Version
 
-    if Version(vllm_version().split("+")[0]) < Version("0.32"):
-        return False
-    fn = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(fn and fn())
+    return amx_host() and Version(vllm_version().split("+")[0]) >= Version("0.28")
+
+
+# vLLM as installed, minus nothing it needs to run on this host: every RL patch off, host fixes kept.
+STOCK = {"VLLM_RLPATCH_PROFILE": "stock"}
 
 
 def model_path(name: str = "llama-tiny") -> str:
@@ -73,8 +85,8 @@ class EngineRun:
         return [json.loads(p.read_text()) for p in sorted(self.status_dir.glob("*.json"))]
 
     def check(self):
-        assert self.proc.returncode == 0 and self.result is not None, self.log[-6000:]
-        return self.result
+        assert self.proc.returncode == 0 and self.result is not None, self.log[-6000:] + "\n" + process_tails(self.log)
+        return _explain_deaths(self.result, self.log)
 
 
 def run_engine(tmp_path: Path, spec: dict, timeout: float = 600, **env: str) -> EngineRun:
@@ -85,14 +97,52 @@ def run_engine(tmp_path: Path, spec: dict, timeout: float = 600, **env: str) -> 
     return EngineRun(proc, status_dir)
 
 
+_PROC_RE = re.compile(r"^\(([A-Za-z_][\w-]*)(?:[^)]*?)pid=(\d+)\)\s?")
+_DEATH_WORDS = ("EngineDeadError", "EngineCore encountered", "died unexpectedly", "EngineGenerateError")
+
+
+def process_tails(log: str, n: int = 12) -> str:
+    """The last ``n`` lines each vLLM process wrote (engine core and workers prefix theirs with
+    ``(Name pid=N)``; the rest is the front end), plus every line that reports a process death: what an
+    `EngineDeadError` ("see stack trace above") refers to, when no stack trace is above it."""
+    by_proc: dict[str, list[str]] = {}
+    deaths = []
+    for line in log.splitlines():
+        m = _PROC_RE.match(line)
+        key = f"{m.group(1)} pid={m.group(2)}" if m else "front end"
+        by_proc.setdefault(key, []).append(line)
+        if any(w in line for w in ("died unexpectedly", "Illegal instruction", "Segmentation fault", "exit code: -")):
+            deaths.append(line)
+    parts = ["--- process deaths ---", *(deaths or ["(none reported)"])]
+    for key, lines in by_proc.items():
+        parts.append(f"--- last {min(n, len(lines))} lines of {key} ---")
+        parts.extend(lines[-n:])
+    return "\n".join(parts)
+
+
+def _explain_deaths(obj, log: str):
+    """Append the processes' last log lines to every reported error that says the engine died."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == "error" and isinstance(v, str) and any(w in v for w in _DEATH_WORDS):
+                obj[k] = v + "\n" + process_tails(log)
+            else:
+                _explain_deaths(v, log)
+    elif isinstance(obj, list):
+        for v in obj:
+            _explain_deaths(v, log)
+    return obj
+
+
 def run_script(script: str, *args: str, cwd=None, timeout: float = 900, **env: str) -> tuple[dict, str]:
-    """Run tests/scripts/SCRIPT in a fresh interpreter; return (its `RESULT {...}` line, stdout+stderr)."""
+    """Run tests/scripts/SCRIPT in a fresh interpreter; return (its `RESULT {...}` line, stdout+stderr).
+    An error in the result that says the engine died carries every vLLM process's last log lines."""
     p = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True,
                        timeout=timeout, env=clean_env(**env), cwd=None if cwd is None else str(cwd))
     log = p.stdout + p.stderr
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, log[-6000:]
-    return json.loads(lines[-1][7:]), log
+    assert p.returncode == 0 and lines, log[-6000:] + "\n" + process_tails(log)
+    return _explain_deaths(json.loads(lines[-1][7:]), log), log
 
 
 def run_py(code: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
@@ -103,6 +153,16 @@ def run_py(code: str, timeout: float = 300, **env: str) -> subprocess.CompletedP
 @pytest.fixture(scope="session")
 def version() -> str:
     return vllm_version()
+
+
+# The newest vLLM of the CI matrix. Tests of our command-line tools (their logic does not depend on the vLLM
+# version: the engine runs the same patches every other test covers per version) run there only (CI time).
+NEWEST_CI = "0.32.0"
+
+
+def skip_unless_newest(version: str, what: str) -> None:
+    if version.split("+")[0] != NEWEST_CI:
+        pytest.skip(f"{what} runs on the newest CI version ({NEWEST_CI}) only (CI time)")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -60,18 +60,34 @@ class FrameworkExtension(HeadProbeExtension):
         except Exception as e:
             return {"ok": False, "calls": n, "error": f"{type(e).__name__}: {e}"}
 
-    def framework_reload_in_two_calls(self, path):
+    def framework_reload_in_two_calls(self, path, poison_uninitialized=True):
         """reload_weights with the weights split in two calls, one fused qkv layer split between them: the
-        first call carries q_proj of layer 0 and everything else, the second its k_proj and v_proj."""
+        first call carries q_proj of layer 0 and everything else, the second its k_proj and v_proj.
+
+        With ``poison_uninitialized`` the calls run with torch's deterministic fill of uninitialised memory
+        (``torch.empty`` returns NaN), so a layer processed before all its parts arrived holds NaN by
+        construction instead of whatever the allocator happened to hand out (which can be the right bytes
+        by luck: freed buffers are reused). Returns one entry per call and the non-finite count of layer 0's
+        attention tensors afterwards."""
+        import torch
+
         tensors = _tensors(path)
         second = {k for k in tensors if k.startswith("model.layers.0.self_attn.") and ("k_proj" in k or "v_proj" in k)}
         out = []
-        for part in ([(k, v) for k, v in tensors.items() if k not in second],
-                     [(k, v) for k, v in tensors.items() if k in second]):
-            try:
-                self.reload_weights(weights_iterator=part)
-                out.append({"ok": True})
-            except Exception as e:
-                out.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
-        return out
-
+        was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        if poison_uninitialized:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            for part in ([(k, v) for k, v in tensors.items() if k not in second],
+                         [(k, v) for k, v in tensors.items() if k in second]):
+                try:
+                    self.reload_weights(weights_iterator=part)
+                    out.append({"ok": True})
+                except Exception as e:
+                    out.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        finally:
+            torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        attn = self.model_runner.model.model.layers[0].self_attn
+        nonfinite = sum(int((~torch.isfinite(t.float())).sum()) for t in [*attn.parameters(), *attn.buffers()]
+                        if t.is_floating_point() and t.numel())
+        return {"calls": out, "layer0_attn_nonfinite": nonfinite}

@@ -122,3 +122,43 @@ def tiny_moe(dst: str, tokenizer_from: str) -> str:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tokenizer_from) / f, Path(dst) / f)
     return dst
+
+
+def byte_model(dst: str, positions: int = 512) -> str:
+    """A stranger's model: Llama-shaped, ``positions`` maximum positions, and a byte-level tokenizer (one token
+    per byte, no merges), so the embedded prompts (24 sentences, ~1,100 bytes) are longer than its whole
+    context. Seeded random weights with a sharpened head (lm_head x 20); tokenizer files that load under
+    transformers 4.x and 5.x."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(dst)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    eos = "<|eos|>"
+    vocab[eos] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([eos])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=eos, pad_token=eos, unk_token=eos)
+    fast.save_pretrained(out)
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc.pop("backend", None)
+    tc["model_max_length"] = positions
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=positions,
+                      tie_word_embeddings=False, bos_token_id=vocab[eos], eos_token_id=vocab[eos])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(out)
+    c = json.loads((out / "config.json").read_text())
+    c["rope_theta"] = c.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    (out / "config.json").write_text(json.dumps(c, indent=2) + "\n")
+    return str(out)

@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm-rlpatch: unknown command {argv[0]!r}{hint}; try --help", file=sys.stderr)
         return 2
     from vllm_rlpatch.envs import EnvError
+    from vllm_rlpatch.usermodel import ToolError
 
     try:
         return cmd[0](argv[1:])
-    except EnvError as e:
-        print(f"vllm-rlpatch: {e}", file=sys.stderr)
+    except (EnvError, ToolError) as e:
+        print(f"vllm-rlpatch {argv[0]}: {e}", file=sys.stderr)
         return 2
 
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,11 +25,14 @@ def _step(i: int, n: int, msg: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from vllm_rlpatch import doctor, models
+    from vllm_rlpatch import doctor, models, usermodel
 
     ap = argparse.ArgumentParser(prog="vllm-rlpatch demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=models.DEFAULT,
-                    help=f"an embedded model ({', '.join(models.NAMES)}) or a local path (default {models.DEFAULT})")
+                    help=f"an embedded model ({', '.join(models.NAMES)}), a local model directory, or a hub id in the "
+                         f"local Hugging Face cache (default {models.DEFAULT})")
+    ap.add_argument("--allow-download", action="store_true",
+                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--max-tokens", type=int, default=24)
@@ -39,9 +43,13 @@ def main(argv: list[str]) -> int:
         ap.error("--top-p must be in (0, 1]")
     if args.temperature <= 0:
         ap.error("--temperature must be > 0 (the demo samples)")
-    model = models.path(args.model) if args.model in models.NAMES else args.model
-    if not Path(model).exists():
-        ap.error(f"--model {args.model!r}: no such embedded model or local directory")
+    try:
+        model = usermodel.resolve(args.model, allow_download=args.allow_download)
+        usermodel.require_vllm("demo")
+        budget = usermodel.prompt_budget(usermodel.default_max_model_len(model, 512), args.max_tokens)
+    except usermodel.ToolError as e:
+        print(f"vllm-rlpatch demo: {e}", file=sys.stderr)
+        return 2
 
     n = 4
     status_dir = tempfile.mkdtemp(prefix="vllm-rlpatch-demo-")
@@ -55,9 +63,11 @@ def main(argv: list[str]) -> int:
     from vllm.platforms import current_platform
 
     kwargs = {}
-    if current_platform.is_cpu():
-        kwargs = dict(dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=256 << 20, enforce_eager=True,
-                      gpu_memory_utilization=0.5)
+    if current_platform.is_cpu():  # sized to the model: max_model_len = min(512, its positions)
+        kwargs = usermodel.engine_args(model, cpu=True, seed=None, ours=512)
+    prompts, cut = usermodel.fit_prompts(usermodel.tokenizer(model), PROMPTS, budget)
+    if cut:
+        print(f"  ({cut} prompt(s) cut to the {budget} tokens the context leaves)", flush=True)
     t0 = time.perf_counter()
     llm = vllm.LLM(model, **kwargs)
     t_start = time.perf_counter() - t0
@@ -66,13 +76,14 @@ def main(argv: list[str]) -> int:
     sp = [vllm.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                               logprobs=5, seed=args.seed + i) for i in range(len(PROMPTS))]
     t0 = time.perf_counter()
-    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
     t_gen = time.perf_counter() - t0
     positions = masked = 0
     completions = []
     for o in outs:
         c = o.outputs[0]
-        completions.append({"prompt": o.prompt, "text": c.text, "tokens": len(c.token_ids),
+        completions.append({"prompt": o.prompt if o.prompt is not None else f"<{len(o.prompt_token_ids)} tokens>",
+                            "text": c.text, "tokens": len(c.token_ids),
                             "finish_reason": c.finish_reason})
         for step in c.logprobs or []:
             positions += 1

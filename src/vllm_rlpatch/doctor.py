@@ -87,10 +87,16 @@ def engine_settings(model: str, engine_argv: list[str]) -> dict[str, Any]:
 
     from vllm_rlpatch.hooks import config as config_hook
 
+    from vllm_rlpatch.usermodel import ToolError
+
     parser = EngineArgs.add_cli_args(_parser())
     ns = parser.parse_args(["--model", model, *engine_argv])
     engine_args = EngineArgs.from_cli_args(ns)
-    vllm_config = engine_args.create_engine_config()
+    try:
+        vllm_config = engine_args.create_engine_config()
+    except Exception as e:  # vLLM's validation (pydantic) of the model + arguments: its first line says why
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise ToolError(f"vLLM rejects this engine configuration: {type(e).__name__}: {first}") from None
     decided = config_hook.settings_for(engine_args)
     rows = []
     for label, path, field in RL_SETTINGS:
@@ -212,8 +218,9 @@ def collect(model: str | None = None, engine_argv: list[str] | None = None) -> d
                      "vllm_platform": _vllm_platform() if info.installed else None},
         "entry_point": _entry_point(),
         "startup_hook": {"explicit_args_capture": explicit.active() if info.installed else None,
-                         "detail": ("active: user-passed engine arguments are told apart from defaults"
-                                    if info.installed and explicit.active() else
+                         "detail": (None if not info.installed else
+                                    "active: user-passed engine arguments are told apart from defaults"
+                                    if explicit.active() else
                                     "inactive: vllm_rlpatch_startup.pth not processed; explicitness is inferred "
                                     "by comparing with stock defaults")},
         "process": {"pid": os.getpid(), "role": plugin.process_role(),
@@ -221,7 +228,7 @@ def collect(model: str | None = None, engine_argv: list[str] | None = None) -> d
         "env": {"warnings": env_warnings,
                 "set": {k: v for k, v in os.environ.items() if k.startswith(envs.PREFIX)}},
         "patches": [s.as_dict() for s in registry.status()],
-        "notes": [TRAINER_NOTE, _head_note(registry.status())],
+        "notes": [TRAINER_NOTE, _head_note(registry.status())] if info.installed else [],
     }
     if model is not None:
         report["engine"] = engine_settings(model, engine_argv or [])
@@ -229,7 +236,21 @@ def collect(model: str | None = None, engine_argv: list[str] | None = None) -> d
 
 
 def render(report: dict[str, Any]) -> str:
+    from vllm_rlpatch.usermodel import INSTALL_VLLM
+
     v = report["vllm"]
+    if not v["installed"]:
+        lines = [
+            f"vllm-rlpatch {report['vllm_rlpatch']}",
+            f"  vLLM      NOT INSTALLED in this Python environment: the plugin has nothing to patch; {INSTALL_VLLM}",
+            f"  torch     {report['torch'] or 'not installed'}   python {report['python']}",
+            f"  platform  {report['platform']['os']}",
+            f"  entry point  {report['entry_point']['detail']}",
+        ]
+        lines += [f"  WARNING  {w}" for w in report["env"]["warnings"]]
+        lines.append(f"  patches   {len(report['patches'])} known, none can apply without vLLM "
+                     "(`vllm-rlpatch patches` lists them)")
+        return "\n".join(lines)
     lines = [
         f"vllm-rlpatch {report['vllm_rlpatch']}",
         f"  vLLM      {v['version']} (distribution {v['distribution']}; newest tested {v['newest_tested']}"
@@ -264,30 +285,41 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     import argparse
 
+    from vllm_rlpatch import usermodel
+
     ap = argparse.ArgumentParser(prog="vllm-rlpatch doctor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--model", help="also show the RL-relevant settings an engine for this model would get; "
                                     "further arguments are vLLM engine arguments (e.g. --logprobs-mode raw_logprobs)")
+    ap.add_argument("--allow-download", action="store_true",
+                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
     args, rest = ap.parse_known_args(argv)
     if rest and args.model is None:
         ap.error(f"unrecognized arguments: {' '.join(rest)} (engine arguments need --model)")
-    if args.model is not None and not os.path.exists(args.model):
-        from vllm_rlpatch import models
-
-        if args.model in models.NAMES:
-            args.model = models.path(args.model)
-    if args.json:
-        # vLLM logs to stdout; keep stdout for the JSON document alone.
-        sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
+    if args.model is not None:
         try:
-            report = collect(args.model, rest)
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print(render(collect(args.model, rest)))
+            args.model = usermodel.resolve(args.model, allow_download=args.allow_download)
+            usermodel.require_vllm("doctor --model")
+        except usermodel.ToolError as e:
+            print(f"vllm-rlpatch doctor: {e}", file=sys.stderr)
+            return 2
+    # vLLM logs to stdout: keep stdout for the report alone (its log lines go to stderr meanwhile).
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    err = None
+    try:
+        report = collect(args.model, rest)
+    except SystemExit as e:  # vLLM's own parser rejected an engine argument (it printed why)
+        return int(e.code) if isinstance(e.code, int) else 2
+    except usermodel.ToolError as e:
+        err = e
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    if err is not None:
+        print(f"vllm-rlpatch doctor: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2, default=str) if args.json else render(report))
     return 0

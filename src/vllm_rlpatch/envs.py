@@ -88,6 +88,13 @@ ENABLED = EnvVar(
     PREFIX + "ENABLED", parse_bool, True,
     "Kill switch. 0 = the plugin applies no patch in any process (each reports `disabled`).",
 )
+PROFILES = ("rl", "stock")
+PROFILE = EnvVar(
+    PREFIX + "PROFILE", _choice(*PROFILES), "rl",
+    "`rl` (default): every patch as its toggle says. `stock`: vLLM's own behaviour, i.e. every patch off "
+    "except the host-compatibility fixes (`host_fix` specs such as `cpu_amx_permission`, without which stock "
+    "vLLM cannot run on some hosts); what the tests' and `parity`'s stock configurations use.",
+)
 STRICT = EnvVar(
     PREFIX + "STRICT", parse_bool, False,
     "1 = any patch that fails to apply raises (default: a failed default patch logs a WARNING; "
@@ -221,7 +228,7 @@ ROLLOUT_TOKENS = EnvVar(
     "(requests would queue or be preempted: the silent throughput drop of a too-small pin).",
 )
 
-GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, STRICT, LOG_LEVEL, STATUS_DIR, INFLIGHT, PORT_LEASE_S, PORT_BAND,
+GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, PROFILE, STRICT, LOG_LEVEL, STATUS_DIR, INFLIGHT, PORT_LEASE_S, PORT_BAND,
                                    PORT_LEASE_DIR, REFIT_SHM_DIR, HTTP_TOKEN, HTTP_REMOTE, KV_CACHE_BYTES,
                                    ROLLOUT_TOKENS)
 

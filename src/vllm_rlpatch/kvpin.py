@@ -438,7 +438,10 @@ def parser() -> argparse.ArgumentParser:
         prog="vllm-rlpatch kv-pin",
         description="Measure the largest kv_cache_memory_bytes that survives sleep -> trainer reserve -> wake on "
                     "this GPU; print it with its KV capacity in tokens. Unknown options are vLLM engine args.")
-    ap.add_argument("--model", required=True, help="model directory (or name) as given to vLLM")
+    ap.add_argument("--model", required=True, help="a local model directory, an embedded model name, or a hub id in "
+                                                   "the local Hugging Face cache")
+    ap.add_argument("--allow-download", action="store_true",
+                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
     ap.add_argument("--trainer-reserve-gib", type=_gib("--trainer-reserve-gib"), default=0.0,
                     help="GiB the trainer keeps on this GPU while vLLM is awake (allocated during the check)")
     ap.add_argument("--margin-gib", type=_gib("--margin-gib"), default=DEFAULT_MARGIN_GIB,
@@ -487,9 +490,15 @@ def main(argv: list[str] | None = None, backend: Backend | None = None) -> int:
         if args.rollout_tokens is not None:
             ap.error("give --rollout-tokens or --max-concurrent-seqs/--seq-len, not both")
         args.rollout_tokens = args.max_concurrent_seqs * args.seq_len
-    if backend is None and not os.path.exists(args.model) and os.sep in args.model:
-        print(f"vllm-rlpatch kv-pin: model path {args.model!r} does not exist", file=sys.stderr)
-        return 2
+    if backend is None:
+        from vllm_rlpatch import usermodel
+
+        try:
+            args.model = usermodel.resolve(args.model, allow_download=args.allow_download)
+            usermodel.require_vllm("kv-pin")
+        except usermodel.ToolError as e:
+            print(f"vllm-rlpatch kv-pin: {e}", file=sys.stderr)
+            return 2
     reserve, margin = int(args.trainer_reserve_gib * GiB), int(args.margin_gib * GiB)
     try:
         be = backend if backend is not None else CudaBackend(args.model, engine_argv)

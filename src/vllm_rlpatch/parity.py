@@ -42,8 +42,8 @@ CONFIG_FEATURES = {
     "all": FEATURES,
 }
 CONFIG_DOC = {
-    "stock": "vLLM as installed: every patch off (but cpu_amx_permission, without which vLLM 0.32 CPU cannot "
-             "run on AMX hosts); weights updated with vLLM's reload_weights",
+    "stock": "vLLM as installed: the stock profile, every patch off but the host fixes (cpu_amx_permission, "
+             "without which vLLM CPU dies on AMX hosts); weights updated with vLLM's reload_weights",
     "processed_logprobs": "rl_defaults only (processed logprobs) among the fixes",
     "fp32_lm_head": "fp32_lm_head only among the fixes",
     "prefix_cache": "prefix_cache only (the guard: no KV of older weights reused)",
@@ -91,6 +91,39 @@ def make_prompts(n: int, run: int, seed: int, sentences: int = 24) -> list[str]:
         tail = rng.choice(["the", "count:", f"{rng.randint(0, 49)} + {rng.randint(0, 49)} =", "spell"])
         out.append(f"{body} {tail}")
     return out
+
+
+SENTENCE_STEPS = (24, 16, 12, 8, 6, 4, 3, 2, 1)
+
+
+def fitted_prompts(model: str, n: int, runs: int, seed: int, max_model_len: int, max_tokens: int,
+                   sentences: int = SENTENCE_STEPS[0]) -> tuple[list[list[Any]], str | None]:
+    """Each run's prompts, fitted to the context ``max_model_len - max_tokens`` with the model's own
+    tokenizer: the embedded prompts (24 sentences) are replaced by shorter ones (fewer sentences) until the
+    longest fits; a prompt still too long is cut to its last tokens. Returns (prompts per run, a note saying
+    what was done, or None when nothing was)."""
+    from vllm_rlpatch import usermodel
+
+    budget = usermodel.prompt_budget(max_model_len, max_tokens)
+    tok = usermodel.tokenizer(model)
+    start = sentences
+    for sentences in [start, *(k for k in SENTENCE_STEPS if k < start)]:
+        texts = [make_prompts(n, r, seed, sentences) for r in range(runs)]
+        longest = max(usermodel.longest_prompt(tok, t) for t in texts)
+        if longest <= budget:
+            break
+    out, cut = [], 0
+    for t in texts:
+        fitted, c = usermodel.fit_prompts(tok, t, budget)
+        out.append(fitted)
+        cut += c
+    if sentences == start and not cut:
+        return out, None
+    note = (f"prompts fitted to the context: {max_model_len} positions - {max_tokens} generated tokens = {budget} "
+            f"prompt tokens with this model's tokenizer; {sentences} sentences per prompt instead of {start}")
+    if cut:
+        note += f", {cut} prompt(s) still longer were cut to their last {budget} tokens"
+    return out, note
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -233,11 +266,10 @@ def config_env(name: str) -> dict[str, str]:
     from vllm_rlpatch.patches import ALL_PATCHES
 
     env: dict[str, str] = {}
+    if name == "stock":  # vLLM as installed; host fixes (e.g. cpu_amx_permission) stay on
+        return {"VLLM_RLPATCH_PROFILE": "stock"}
     for s in ALL_PATCHES:
-        if name == "stock":
-            if s.name != "cpu_amx_permission":
-                env[s.env.name] = "stock" if s.toggle is not None else "0"
-        elif s.name in FEATURES:
+        if s.name in FEATURES:
             on = s.name in CONFIG_FEATURES[name]
             if s.toggle is not None:
                 env[s.env.name] = s.toggle.default if on else "stock"
@@ -246,15 +278,14 @@ def config_env(name: str) -> dict[str, str]:
     return env
 
 
-def default_engine_args(model: str) -> dict[str, Any]:
+def default_engine_args(model: str, user: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Our engine defaults sized to ``model`` (max_model_len = min(1024, its positions); on CPU no chunked
+    prefill), then ``user``'s arguments. See :func:`vllm_rlpatch.usermodel.engine_args`."""
     import torch
 
-    args: dict[str, Any] = {"dtype": "bfloat16", "max_model_len": 1024, "seed": 0}
-    if not torch.cuda.is_available():
-        args.update(enforce_eager=True, kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.5)
-    else:
-        args.update(gpu_memory_utilization=0.6)
-    return args
+    from vllm_rlpatch import usermodel
+
+    return usermodel.engine_args(model, user, cpu=not torch.cuda.is_available())
 
 
 def _clean_env() -> dict[str, str]:
@@ -364,8 +395,13 @@ def run(*, model: str, configs: tuple[str, ...] = CONFIGS, temperature: float = 
     if not Path(model, "config.json").exists():
         raise ParityError(f"--model {model}: not a local model directory (no config.json)")
     info = vllm_info()
-    if not info.installed:
-        raise ParityError("vLLM is not installed in this environment")
+    if refit_to is not None and not Path(refit_to, "config.json").exists():
+        raise ParityError(f"--refit-to {refit_to}: not a local model directory (no config.json)")
+    # bad engine arguments and prompts that cannot fit fail here, before any weights are written
+    eargs = default_engine_args(model, engine_args)
+    run_prompts, prompt_note = fitted_prompts(model, prompts, runs, seed, eargs["max_model_len"], max_tokens)
+    if prompt_note and progress:
+        print(f"[parity] {prompt_note}", file=sys.stderr, flush=True)
 
     t_start = time.perf_counter()
     own_dir = workdir is None
@@ -379,10 +415,7 @@ def run(*, model: str, configs: tuple[str, ...] = CONFIGS, temperature: float = 
             weights_b = {"path": refit_to, "how": "given (--refit-to)"}
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_tokens": max_tokens,
                     "ignore_eos": ignore_eos}
-        run_prompts = [make_prompts(prompts, r, seed) for r in range(runs)]
         run_seeds = [[seed * 1_000_003 + r * 1009 + i for i in range(prompts)] for r in range(runs)]
-        eargs = default_engine_args(model)
-        eargs.update(engine_args or {})
         spec = {"model": model, "refit_to": refit_to, "engine_args": eargs, "prompts": run_prompts,
                 "seeds": run_seeds, "sampling": {k: v for k, v in sampling.items()}}
         if top_k == 0:
@@ -420,7 +453,7 @@ def run(*, model: str, configs: tuple[str, ...] = CONFIGS, temperature: float = 
             "tool": "vllm-rlpatch parity", "vllm_rlpatch": __version__, "vllm": info.raw_version,
             "torch": torch.__version__, "device": _device_name(), "model": model,
             "weights_after_refit": weights_b, "sampling": sampling, "prompts": prompts, "runs": runs,
-            "seed": seed, "jobs": jobs, "bound": BOUND, "references": {k: REFERENCE_DOC[k] for k in references},
+            "seed": seed, "jobs": jobs, "bound": BOUND, "prompt_note": prompt_note, "references": {k: REFERENCE_DOC[k] for k in references},
             "engine_args": eargs, "configs": results, "config_doc": {c: CONFIG_DOC[c] for c in configs},
             "seconds": time.perf_counter() - t_start,
         }
@@ -500,6 +533,8 @@ def render(report: dict) -> str:
             f"sampling T={s['temperature']} top_p={s['top_p']} top_k={s['top_k'] or 'off'} max_tokens={s['max_tokens']}; "
             f"{report['prompts']} prompts x {report['runs']} run(s); weights after refit: "
             f"{report['weights_after_refit']['how']}")
+    if report.get("prompt_note"):
+        head += f"\n{report['prompt_note']}"
     parts = [head]
     for ref in report["references"]:
         parts.append("")
@@ -543,7 +578,10 @@ def main(argv: list[str]) -> int:
         prog="vllm-rlpatch parity",
         description="Rollout-vs-trainer logprob agreement per configuration (stock, each fix, all), before and "
                     "after a weight update. With no arguments: the embedded model, T=0.7, top-p 0.9.")
-    ap.add_argument("--model", help="a local model directory (safetensors); default: the embedded llama-tiny")
+    ap.add_argument("--model", help="a local model directory (safetensors), an embedded model name, or a hub id in "
+                                    "the local Hugging Face cache; default: the embedded llama-tiny")
+    ap.add_argument("--allow-download", action="store_true",
+                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -586,16 +624,14 @@ def main(argv: list[str]) -> int:
 
         if not plot.available():
             ap.error("--plot needs Pillow (pip install 'vllm-rlpatch[plot]')")
-    model = args.model
-    if model is None:
-        from vllm_rlpatch import models
+    from vllm_rlpatch import usermodel
 
-        model = models.path()
-    elif not os.path.isdir(model):
-        from vllm_rlpatch import models
-
-        if model in models.NAMES:
-            model = models.path(model)
+    try:
+        model = usermodel.resolve(args.model, allow_download=args.allow_download)
+        usermodel.require_vllm("parity")
+    except usermodel.ToolError as e:
+        print(f"vllm-rlpatch parity: {e}", file=sys.stderr)
+        return 2
     try:
         report = run(model=model, configs=configs, temperature=args.temperature, top_p=args.top_p,
                      top_k=args.top_k, max_tokens=args.max_tokens, prompts=args.prompts, runs=args.runs,
@@ -603,7 +639,7 @@ def main(argv: list[str]) -> int:
                      workdir=args.workdir, keep_samples=bool(args.json or args.plot), progress=not args.no_progress,
                      ignore_eos=not args.stop_at_eos, jobs=args.jobs,
                      references=tuple(k.strip() for k in args.references.split(",") if k.strip()))
-    except ParityError as e:
+    except (ParityError, usermodel.ToolError) as e:
         print(f"vllm-rlpatch parity: {e}", file=sys.stderr)
         return 2
     print(render(report))

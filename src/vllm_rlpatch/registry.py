@@ -6,7 +6,8 @@ entry point in every vLLM process) walks the list and records one :class:`PatchS
 
 Decision order for one patch (first match wins):
 1. ``VLLM_RLPATCH_ENABLED=0``                            -> ``disabled``
-2. ``VLLM_RLPATCH_<NAME>`` off (or default off, unset)   -> ``disabled``
+2. ``VLLM_RLPATCH_PROFILE=stock``, not a host fix         -> ``disabled``
+   ``VLLM_RLPATCH_<NAME>`` off (or default off, unset)   -> ``disabled``
 3. vLLM not importable                                   -> ``unsupported``
 4. vLLM >= ``fixed_in`` (upstream fixed the bug)         -> ``not_needed``
 5. vLLM older than the spec's range                      -> ``unsupported``
@@ -76,6 +77,9 @@ class PatchSpec:
     lazy_targets: tuple[str, ...] = ()
     # A toggle that takes a mode instead of 1/0 (``envs.mode_toggle``); its ``off`` mode disables the patch.
     toggle: envs.EnvVar | None = None
+    # A host-compatibility fix, not RL behaviour (e.g. vLLM dies on some CPUs without it): kept on under
+    # ``VLLM_RLPATCH_PROFILE=stock``, the profile that stands for "vLLM as installed" in tests and `parity`.
+    host_fix: bool = False
 
     @property
     def env(self) -> envs.EnvVar:
@@ -130,6 +134,8 @@ def decide(spec: PatchSpec, info: VllmInfo | None = None) -> tuple[str | None, s
     info = info or vllm_info()
     if not envs.ENABLED.get():
         return "disabled", "VLLM_RLPATCH_ENABLED=0"
+    if envs.PROFILE.get() == "stock" and not spec.host_fix:
+        return "disabled", "VLLM_RLPATCH_PROFILE=stock (vLLM's own behaviour; host fixes kept)"
     toggle = spec.env
     if not spec.enabled_by_env():
         how = (f"{toggle.name}={os.environ[toggle.name]}" if envs.toggle_is_set(toggle)

