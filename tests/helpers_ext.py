@@ -87,7 +87,12 @@ class FrameworkExtension(HeadProbeExtension):
                     out.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
         finally:
             torch.use_deterministic_algorithms(was[0], warn_only=was[1])
-        attn = self.model_runner.model.model.layers[0].self_attn
-        nonfinite = sum(int((~torch.isfinite(t.float())).sum()) for t in [*attn.parameters(), *attn.buffers()]
-                        if t.is_floating_point() and t.numel())
-        return {"calls": out, "layer0_attn_nonfinite": nonfinite}
+        # what layer 0's fused qkv projection computes now (its weights may be repacked for the CPU kernels, out
+        # of reach as tensors: ask the layer itself)
+        qkv = self.model_runner.model.model.layers[0].self_attn.qkv_proj
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4, qkv.input_size, generator=g).to(torch.bfloat16)
+        with torch.no_grad():
+            y = qkv(x)
+        y = y[0] if isinstance(y, tuple) else y
+        return {"calls": out, "layer0_qkv_nonfinite_outputs": int((~torch.isfinite(y.float())).sum())}

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.vllm
 
 _STATUS = ("import json, vllm_rlpatch, vllm_rlpatch.plugin as p; "
            "from vllm_rlpatch.patches import cpu_amx_permission as c; p.register_as('test'); "
-           "print('ST', json.dumps({'status': [(s.name, s.state, s.reason) for s in vllm_rlpatch.status()], "
+           "print('ST', json.dumps({'status': [(s['name'], s['state'], s['reason']) for s in vllm_rlpatch.status()], "
            "'held': c.amx_permission_held()}))")
 
 

@@ -238,7 +238,7 @@ def test_a_fused_layer_split_across_reload_calls(main, stock, weights):
     allocator's luck, the freed buffer that held the right bytes)."""
     s = stock["two_calls"]["result"][0]
     assert all(c["ok"] for c in s["calls"]), s  # stock: no error at all ...
-    assert s["layer0_attn_nonfinite"] > 0, s  # ... and a layer computed from uninitialised memory
+    assert s["layer0_qkv_nonfinite_outputs"] > 0, s  # ... and a layer computed from uninitialised memory
     m = _vs_reference(_reqs(stock, "g_two_calls"), weights["llama-tiny"]["C"])
     assert not m["token_mult_prob_error"] <= 1.3, m  # weights that are not C (NaN: the comparison is False)
     p = main["two_calls"]
@@ -335,10 +335,11 @@ def moe(tmp_path_factory):
 
 
 def test_moe_refit(moe, version):
-    """Behaviour, whichever expert kernels the host picks (AMX or not): after the push the engine computes
-    exactly what its fresh load of the same weights computed."""
+    """Behaviour, whichever expert kernels the host picks (AMX or not): after the push the engine computes what
+    its fresh load of the same weights computed: the same tokens, logprobs equal to float rounding (1e-5; the
+    re-run expert prepack can order a sum differently: 6e-7 seen on 0.32.0, the stock bug is > 0.1)."""
     assert moe["push_C"]["ok"], moe["push_C"]
-    assert _same(_reqs(moe, "g_C"), _reqs(moe, "g_fresh_C")) == 0.0
+    assert _same(_reqs(moe, "g_C"), _reqs(moe, "g_fresh_C"), tol=1e-5) <= 1e-5
     m = _vs_reference(_reqs(moe, "g_C"), moe["_C"])
     assert m["token_mult_prob_error"] <= 1.02, m
     assert _versions(_reqs(moe, "g_C")) == {(2, 2)}

@@ -39,13 +39,18 @@ def byte_model(tmp_path_factory):
     return R.byte_model(str(tmp_path_factory.mktemp("user") / "byte-512"))
 
 
-def _one_line_exit_2(p, *words):
+def _one_line_exit_2(p, *words, after_vllm_logs=False):
+    """Exit 2 and one line of ours on stderr (the only line, unless vLLM was imported first: then its own log
+    lines come before ours, and ours is the last)."""
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
-    assert len(err) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert err and "Traceback" not in p.stderr, p.stderr[-3000:]
+    ours = [ln for ln in err if ln.startswith("vllm-rlpatch ")]
+    assert len(ours) == 1 and ours[0] == err[-1], p.stderr[-3000:]
+    assert after_vllm_logs or len(err) == 1, p.stderr[-3000:]
     for w in words:
-        assert w in err[0], (w, err[0])
-    return err[0]
+        assert w in err[-1], (w, err[-1])
+    return err[-1]
 
 
 def test_parity_sizes_the_engine_and_fits_the_prompts(byte_model, tmp_path):
@@ -68,7 +73,6 @@ def test_rollout_dump_and_diff_with_seeds(byte_model, tmp_path):
     chunked prefill split a prompt (`CPU Generator does not use offset`)."""
     p = _cli("rollout-dump", "--model", byte_model, "--seeds", "1,2,3,4", "--out", tmp_path / "d{seed}.jsonl")
     assert p.returncode == 0, p.stderr[-6000:]
-    assert "were cut" in p.stderr or "prompts fitted" in p.stderr, p.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "d1.jsonl").read_text().splitlines()]
     assert rows and all(len(r["prompt_token_ids"]) + r["length"] <= 512 for r in rows)
     assert rows[0]["engine"]["max_model_len"] == 512
@@ -76,6 +80,23 @@ def test_rollout_dump_and_diff_with_seeds(byte_model, tmp_path):
              tmp_path / "d4.jsonl", "--json", tmp_path / "diff.json", timeout=300)
     assert d.returncode == 0, d.stderr[-3000:]
     assert "statistics differ beyond the run-to-run spread" in d.stdout
+
+
+def test_rollout_prompts_are_fitted_with_the_models_tokenizer(byte_model, tmp_path):
+    """No engine: the fitting itself. The embedded prompts get fewer sentences, a user's prompts are cut to
+    their last tokens, and the note says how many (what rollout-dump prints)."""
+    from transformers import AutoTokenizer
+
+    from vllm_rlpatch import rollout
+
+    tok = AutoTokenizer.from_pretrained(byte_model)
+    fitted, note = rollout._fit(byte_model, None, 4, 128, 64)
+    n_tokens = [len(p["prompt_token_ids"]) if isinstance(p, dict) else len(tok(p)["input_ids"]) for p in fitted]
+    assert note and "prompts fitted" in note and "instead of 6" in note and max(n_tokens) <= 64, (note, n_tokens)
+    long = ["x" * 100, "short", "y" * 70]
+    fitted, note = rollout._fit(byte_model, long, None, 128, 64)
+    assert note.startswith("2 of 3 prompts") and "cut to their last 64 tokens" in note
+    assert fitted[1] == "short" and fitted[0]["prompt_token_ids"] == tok("x" * 100)["input_ids"][-64:]
 
 
 def test_the_reported_crash_case_runs(tmp_path):
@@ -152,10 +173,16 @@ def test_a_hub_id_resolves_offline_from_the_local_cache(byte_model, tmp_path):
     (["parity", "--model", "BYTE", "--engine-args", '{"max_model_len": 4096}'], ["larger than the model's 512"]),
     (["rollout-dump", "--model", "BYTE", "--engine-args", '{"enable_chunked_prefill": true}', "--out", "x.jsonl"],
      ["enable_chunked_prefill", "CPU"]),
-    (["doctor", "--model", "BYTE", "--max-model-len", "4096"], ["vLLM rejects this engine configuration"]),
     (["parity", "--model", "BYTE", "--max-tokens", "600"], ["leaves no room for a prompt"]),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_engine(args, words, byte_model, tmp_path):
     p = _cli(*[byte_model if a == "BYTE" else a for a in args], cwd=tmp_path, timeout=300, HF_HUB_OFFLINE="1")
     _one_line_exit_2(p, *words)
+    assert "EngineCore" not in p.stderr  # no engine was started
+
+
+def test_a_configuration_vllm_rejects_is_one_line_of_ours(byte_model):
+    """vLLM's own config validation (pydantic) rejects it: its traceback becomes our last line, exit 2."""
+    p = _cli("doctor", "--model", byte_model, "--max-model-len", "4096", timeout=300)
+    _one_line_exit_2(p, "vLLM rejects this engine configuration", after_vllm_logs=True)
     assert "EngineCore" not in p.stderr  # no engine was started
