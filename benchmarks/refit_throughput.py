@@ -123,12 +123,16 @@ def main() -> int:
     print(f"[bench] vLLM {vllm.__version__} {args.device} {args.shape}: {len(weights)} tensors, {nbytes / 1e9:.3f} GB",
           flush=True)
 
-    configs = []
+    # (key, push_weights kwargs); "default" is what `push_weights(llm, tensors)` does
     if args.device == "cpu":
-        configs = [("shm", "atomic", True), ("shm", "direct", True), ("shm", "direct", False),
-                   ("dist", "atomic", True), ("dist", "direct", False)]
+        configs = [("default", {}), ("shm/direct/noverify", {"mode": "direct", "verify": False}),
+                   ("shm/direct/verify", {"mode": "direct"}),
+                   ("shm/validate-then-write", {"guarantee": "validate-then-write"}),
+                   ("dist/default", {"transport": "dist"}),
+                   ("dist/direct/noverify", {"transport": "dist", "mode": "direct", "verify": False})]
     else:
-        configs = [("cuda_ipc", "direct", False), ("cuda_ipc", "direct", True), ("cuda_ipc", "atomic", True)]
+        configs = [("default", {}), ("cuda_ipc/direct/noverify", {"mode": "direct", "verify": False}),
+                   ("cuda_ipc/direct/verify", {"mode": "direct"})]
 
     def memcpy_once() -> float:
         if args.device == "cpu":
@@ -148,7 +152,7 @@ def main() -> int:
         return time.perf_counter() - t
 
     # warm-up: the first complete update also records (and on a GPU verifies) the copy plan
-    rep = push_weights(llm, weights, transport=configs[0][0], mode="atomic")
+    rep = push_weights(llm, weights)
     res["first_update"] = rep.as_dict()
     print(f"[bench] first update: {rep.seconds:.3f} s, path={rep.workers[0].get('path')}, "
           f"plan: {rep.workers[0].get('plan')}", flush=True)
@@ -175,14 +179,15 @@ def main() -> int:
     reports: dict[str, list] = {}
     for r in range(args.rounds):
         samples["memcpy"].append(memcpy_once())
-        for transport, mode, verify in configs:
-            key = f"{transport}/{mode}/{'verify' if verify else 'noverify'}"
+        order = configs[r % len(configs):] + configs[:r % len(configs)]  # interleaved, rotated each round
+        for key, kw in order:
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            rep = push_weights(llm, weights, transport=transport, mode=mode, verify=verify)
+            rep = push_weights(llm, weights, **kw)
             samples.setdefault(key, []).append(rep.seconds)
             reports.setdefault(key, []).append({"seconds": rep.seconds, "stages": rep.stages, "checks": rep.checks,
-                                                "path": rep.workers[0].get("path"),
+                                                "path": rep.path, "guarantee": rep.guarantee, "backup": rep.backup,
+                                                "post_check": rep.post_check,
                                                 "peak_extra_host_bytes": rep.peak_extra_host_bytes,
                                                 "peak_extra_device_bytes": rep.peak_extra_device_bytes})
         if layout is not None:
@@ -211,6 +216,7 @@ def main() -> int:
             transport_s = sum(st.get(k, 0.0) for k in ("pack", "send")) + st.get("worker_open", 0.0) + \
                 st.get("worker_receive", 0.0)
             row.update(stages_last=st, checks=reports[key][-1]["checks"], path=reports[key][-1]["path"],
+                       guarantee=reports[key][-1]["guarantee"], backup=reports[key][-1]["backup"],
                        transport_only_s=transport_s,
                        transport_only_x_memcpy=(base / transport_s) if transport_s else None,
                        peak_extra_host_bytes=reports[key][-1]["peak_extra_host_bytes"],
@@ -218,9 +224,13 @@ def main() -> int:
         table[key] = row
     res["results"] = table
     res["rounds"] = args.rounds
-    print(f"\n{'configuration':34s} {'median ms':>10s} {'GB/s':>8s} {'x memcpy':>9s}")
+    ref = "shm/direct/noverify" if args.device == "cpu" else "cuda_ipc/direct/noverify"
+    res["default_x_direct_noverify"] = table["default"]["median_s"] / table[ref]["median_s"]
+    print(f"\n{'configuration':34s} {'median ms':>10s} {'GB/s':>8s} {'x memcpy':>9s}  guarantee")
     for key, row in table.items():
-        print(f"{key:34s} {row['median_s'] * 1e3:10.1f} {row['gbps']:8.2f} {row['x_memcpy_speed']:9.3f}")
+        print(f"{key:34s} {row['median_s'] * 1e3:10.1f} {row['gbps']:8.2f} {row['x_memcpy_speed']:9.3f}  "
+              f"{row.get('guarantee') or ''}")
+    print(f"default / {ref}: {res['default_x_direct_noverify']:.3f}")
     with open(args.out, "w") as fh:
         json.dump(res, fh, indent=1, default=str)
     print(f"[bench] wrote {args.out}")

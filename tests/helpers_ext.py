@@ -32,7 +32,79 @@ class HeadProbeExtension:
                 "fp32_vs_model_dtype": float((ref - ref_bf16).abs().max())}
 
 
+_NOT_WEIGHTS = {"kv_cache", "attn_backend", "impl"}  # the KV cache changes with every request
+
+
+def _reachable_tensors(model):
+    """Every tensor the model holds that Python can reach: parameters, buffers, and tensors kept in module
+    attributes, their objects (e.g. a quantization method) and closures (a CPU GEMM over a repacked weight).
+    Weights repacked into opaque kernel handles (vLLM 0.32 CPU's oneDNN linear) are out of reach: generation
+    equality covers those."""
+    import torch
+
+    out, seen = {}, set()
+
+    def visit(prefix, obj, depth):
+        if depth > 3 or id(obj) in seen:
+            return
+        if isinstance(obj, torch.Tensor):
+            seen.add(id(obj))
+            if not obj.is_meta and obj.numel() > 0:
+                out[prefix] = obj
+            return
+        if isinstance(obj, (torch.nn.Module, type, str, bytes, int, float, bool)) or obj is None:
+            return
+        seen.add(id(obj))
+        if callable(obj) and getattr(obj, "__closure__", None):
+            for i, c in enumerate(obj.__closure__):
+                try:
+                    visit(f"{prefix}.<cell{i}>", c.cell_contents, depth + 1)
+                except ValueError:
+                    pass
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                visit(f"{prefix}[{i}]", v, depth + 1)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                visit(f"{prefix}[{k!r}]", v, depth + 1)
+        elif hasattr(obj, "__dict__"):
+            for k, v in vars(obj).items():
+                if k not in _NOT_WEIGHTS:
+                    visit(f"{prefix}.{k}", v, depth + 1)
+
+    for name, mod in model.named_modules():
+        for k, v in mod._parameters.items():
+            visit(f"{name}.{k}", v, 0)
+        for k, v in mod._buffers.items():
+            visit(f"{name}.{k}", v, 0)
+        for k, v in mod.__dict__.items():
+            if k in ("_parameters", "_buffers", "_modules") or k in _NOT_WEIGHTS or k.startswith(
+                    ("_forward", "_backward", "_state_dict", "_load_state_dict")):
+                continue
+            visit(f"{name}.{k}", v, 1)
+    return out
+
+
 class FrameworkExtension(HeadProbeExtension):
+    def framework_snapshot(self):
+        """A copy of every reachable tensor of the model, kept in this worker (for torch.equal checks)."""
+        ts = _reachable_tensors(self.model_runner.model)
+        self._framework_snapshot = {k: v.detach().clone() for k, v in ts.items()}
+        return {"tensors": len(ts), "bytes": sum(v.numel() * v.element_size() for v in ts.values())}
+
+    def framework_equal_to_snapshot(self):
+        """torch.equal of every reachable tensor with the snapshot's copy (same names, same bits)."""
+        import torch
+
+        snap = getattr(self, "_framework_snapshot", None)
+        if snap is None:
+            return {"equal": False, "why": "no snapshot"}
+        now = _reachable_tensors(self.model_runner.model)
+        differ = sorted(k for k in set(now) | set(snap)
+                        if k not in now or k not in snap or now[k].shape != snap[k].shape
+                        or now[k].dtype != snap[k].dtype or not torch.equal(now[k], snap[k]))
+        return {"equal": not differ, "differ": differ[:8], "n_differ": len(differ), "tensors": len(now)}
+
     def framework_hello(self):
         return {"pid": os.getpid(), "has_rlpatch": hasattr(self, "rlpatch_ping")}
 

@@ -32,7 +32,7 @@ EXPECT = {  # case -> (error kind, engine state afterwards)
     "shape": ("validation", "unchanged"), "dtype": ("validation", "unchanged"),
     "nan": ("validation", "unchanged"), "inf": ("validation", "unchanged"),
     "duplicate": ("validation", "unchanged"), "empty": ("validation", "unchanged"),
-    "not_tensor": ("validation", "unchanged"), "half_layer": ("commit", "restored"),
+    "not_tensor": ("validation", "unchanged"), "half_layer": ("commit", "unchanged"),
     "sender_stops": ("transport", "unchanged"), "old_version": ("validation", "unchanged"),
     "asleep": ("refused", "unchanged"), "tied_mismatch": ("validation", "unchanged"),
 }
@@ -71,11 +71,31 @@ def _fp(name):
     return {"op": "fingerprint", "name": name}
 
 
+def _snap(name):
+    """A copy of every reachable tensor of the model, kept in the worker (helpers_ext.framework_snapshot)."""
+    return {"op": "rpc", "name": name, "method": "framework_snapshot"}
+
+
+def _eq(name):
+    """torch.equal of every reachable tensor with the last snapshot's copy."""
+    return {"op": "rpc", "name": name, "method": "framework_equal_to_snapshot"}
+
+
+def _arm(name, where):
+    """The next refit fails at `where` (VLLM_RLPATCH_FAULT_INJECTION=1 in this engine)."""
+    return {"op": "rpc", "name": name, "method": "rlpatch_refit_inject_fault", "args": [where]}
+
+
 def _bad_ops(cases):
     ops = []
     for b in cases:
-        ops += [{"op": "push", "name": f"bad_{b}", "bad": b}, _fp(f"fp_{b}")]
+        ops += [{"op": "push", "name": f"bad_{b}", "bad": b}, _eq(f"eq_{b}")]
     return ops
+
+
+def _equal(run, name):
+    (r,) = run[name]["result"]
+    return r["equal"], r
 
 
 # ------------------------------------------------------------------------------------------ engines
@@ -83,14 +103,18 @@ def _bad_ops(cases):
 def main(tmp_path_factory, weights):
     """llama-tiny with the plugin and a framework's own worker extension (composed with ours)."""
     w = weights["llama-tiny"]
-    ops = [_gen("g0"), _fp("fp0"), *_bad_ops(BAD), _gen("g0_after_bad"),
-           {"op": "sleep", "name": "sleep"}, {"op": "push", "name": "bad_asleep"}, _fp("fp_asleep"),
+    ops = [_gen("g0"), _fp("fp0"), _snap("snap0"), *_bad_ops(BAD), _gen("g0_after_bad"),
+           {"op": "sleep", "name": "sleep"}, {"op": "push", "name": "bad_asleep"}, _eq("eq_asleep"),
            {"op": "wake_up", "name": "wake"},
            # 16 KiB buckets: most tensors are larger and travel alone in a segment of their own size
            {"op": "push", "name": "push_B", "kw": {"bucket_bytes": 16 << 10}}, {"op": "version", "name": "v_B"},
-           _gen("g_B"), _fp("fp_B"),
-           {"op": "push", "name": "bad_old_version", "bad": "old_version"}, _fp("fp_old_version"),
-           {"op": "push", "name": "direct_nan", "bad": "direct_nan"}, _gen("g_poisoned"),
+           _gen("g_B"), _fp("fp_B"), _snap("snap_B"),
+           {"op": "push", "name": "bad_old_version", "bad": "old_version"}, _eq("eq_old_version"),
+           {"op": "push", "name": "direct_nan", "bad": "direct_nan"}, _eq("eq_direct_nan"),
+           # a fault after the first write, with no backup (validate-then-write): mixed, requests refused
+           _arm("arm_vtw", "after_first_write"),
+           {"op": "push", "name": "vtw_fault", "weights": "C", "kw": {"guarantee": "validate-then-write"}},
+           _gen("g_poisoned"),
            {"op": "push", "name": "push_C_direct", "weights": "C", "kw": {"mode": "direct", "version": 10}},
            {"op": "version", "name": "v_C"}, _gen("g_C"),
            {"op": "rpc", "name": "per_param", "method": "framework_load_per_param",
@@ -99,9 +123,24 @@ def main(tmp_path_factory, weights):
            {"op": "rpc", "name": "two_calls", "method": "framework_reload_in_two_calls",
             "args": [w["C"] + "/model.safetensors"]}, _gen("g_two_calls"),
            {"op": "push", "name": "push_B_dist", "kw": {"transport": "dist", "bucket_bytes": 256 << 10}},
-           _gen("g_B_dist"), {"op": "version", "name": "v_B_dist"}]
+           _gen("g_B_dist"), {"op": "version", "name": "v_B_dist"},
+           # faults on real vLLM: before the first write (a rank's prepare fails) and after it, with the
+           # rollback backup forced (restored bit-identically)
+           _snap("snap_12"), _arm("arm_prepare", "prepare"),
+           {"op": "push", "name": "fault_prepare", "weights": "C"}, _eq("eq_fault_prepare"), _gen("g_fault_prepare"),
+           _arm("arm_rb", "after_first_write"),
+           {"op": "push", "name": "fault_rollback", "weights": "C", "kw": {"guarantee": "rollback"}},
+           _eq("eq_fault_rollback"), _gen("g_fault_rollback"),
+           # one update in three calls (q, k, v of a layer in different parts): one version bump
+           {"op": "session", "name": "sess_C", "weights": "C", "parts": 3}, {"op": "version", "name": "v_sess"},
+           _gen("g_sess"), _snap("snap_13"),
+           {"op": "session", "name": "sess_abort_rb", "weights": "B", "parts": 3, "abort_after": 2},
+           _eq("eq_sess_abort_rb"), _gen("g_sess_abort_rb"),
+           {"op": "session", "name": "sess_abort_vtw", "weights": "B", "parts": 3, "abort_after": 2,
+            "kw": {"guarantee": "validate-then-write"}}, _gen("g_sess_mixed"),
+           {"op": "push", "name": "push_B_final"}, {"op": "version", "name": "v_B_final"}, _gen("g_B_final")]
     return _run(tmp_path_factory.mktemp("main"), {"model": model_path(), "worker_extension_cls": EXT},
-                {"B": w["B"], "C": w["C"]}, ops, **BF16_HEAD)
+                {"B": w["B"], "C": w["C"]}, ops, VLLM_RLPATCH_FAULT_INJECTION="1", **BF16_HEAD)
 
 
 @pytest.fixture(scope="module")
@@ -120,11 +159,11 @@ def stock(tmp_path_factory, weights):
 def qwen(tmp_path_factory, weights):
     """The tied-embedding model: the trainer's state dict carries lm_head.weight (= embed_tokens.weight)."""
     w = weights["qwen2-tiny"]
-    ops = [_gen("g0"), _fp("fp0"), {"op": "push", "name": "bad_tied_mismatch", "bad": "tied_mismatch"},
-           _fp("fp_tied_mismatch"), {"op": "push", "name": "push_B"}, _gen("g_B"),
+    ops = [_gen("g0"), _snap("snap0"), {"op": "push", "name": "bad_tied_mismatch", "bad": "tied_mismatch"},
+           _eq("eq_tied_mismatch"), {"op": "push", "name": "push_B"}, _gen("g_B"),
            {"op": "push", "name": "push_C", "weights": "C"}, _gen("g_C")]
-    return _run(tmp_path_factory.mktemp("qwen"), {"model": model_path("qwen2-tiny")}, {"B": w["B"], "C": w["C"]},
-                ops, tied=True, **BF16_HEAD)
+    return _run(tmp_path_factory.mktemp("qwen"), {"model": model_path("qwen2-tiny"), "worker_extension_cls": EXT},
+                {"B": w["B"], "C": w["C"]}, ops, tied=True, **BF16_HEAD)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +209,13 @@ def test_a_pushed_update_equals_a_fresh_engine_on_the_new_weights(main, stock, w
     assert rep["state"] == "committed" and rep["version"] == 1 and rep["transport"] == "shm"
     assert rep["bytes"] > 900_000 and rep["tensors"] == 21 and rep["gbps"] > 0
     assert rep["buckets"] >= 15  # tensors larger than the 16 KiB bucket went alone, none refused
-    assert {"metadata", "finite", "transport_fingerprint", "backup_host", "strict_reload"} <= set(rep["checks"])
+    # CPU: vLLM repacks the weights, so the update goes through its layerwise reload, with a host backup
+    assert rep["path"] == "layerwise" and rep["guarantee"] == "rollback", rep
+    assert rep["backup"]["kind"] == "host" and rep["backup"]["bytes"] >= 0
+    # the trainer digested the shared-memory pages while packing them (checksum + finite in one pass); the
+    # worker trusts those very pages instead of reading them again
+    assert {"metadata", "sender_digest", "finite", "backup_host", "strict_reload"} <= set(rep["checks"]), rep["checks"]
+    assert "transport_fingerprint" not in rep["checks"]
     assert rep["peak_extra_host_bytes"] > 0 and rep["stages"]["worker_write"] > 0
     assert _same(_reqs(main, "g_B"), _reqs(stock, "g_B")) == 0.0  # a correct refit gives exactly 0
     m = _vs_reference(_reqs(main, "g_B"), weights["llama-tiny"]["B"])
@@ -180,37 +225,88 @@ def test_a_pushed_update_equals_a_fresh_engine_on_the_new_weights(main, stock, w
 
 
 def test_every_bad_input_is_refused_and_the_old_weights_stay(main):
-    fp0 = main["fp0"]["workers"]
+    assert main["snap0"]["result"][0]["tensors"] > 0
     for case in BAD + ["asleep"]:
         r = main[f"bad_{case}"]
         assert not r["ok"], (case, r)
         kind, state = EXPECT[case]
         assert (r["kind"], r["state"]) == (kind, state), (case, r)
         assert WORDS[case] in r["message"], (case, r["message"])
-        assert main[f"fp_{case}"]["workers"] == fp0, case  # bit-identical old weights
+        eq, detail = _equal(main, f"eq_{case}")
+        assert eq, (case, detail)  # torch.equal: bit-identical old weights
     # ... and the engine kept serving exactly as before
     assert _same(_reqs(main, "g0_after_bad"), _reqs(main, "g0")) == 0.0
     # a version that does not increase, after an update
     r = main["bad_old_version"]
     assert (r["kind"], r["state"]) == EXPECT["old_version"] and WORDS["old_version"] in r["message"]
-    assert main["fp_old_version"]["workers"] == main["fp_B"]["workers"]
+    assert _equal(main, "eq_old_version")[0]
 
 
-def test_half_loaded_layer_is_rolled_back_with_verified_fingerprint(main):
+def test_half_loaded_layer_writes_nothing(main):
     r = main["bad_half_layer"]
-    assert "qkv_proj" in r["message"] and "fingerprint" in r["message"] and "verified" in r["message"]
-    assert "restore_fingerprint" in r["report"]["checks"]
+    assert "qkv_proj" in r["message"] and "received only part" in r["message"], r
+    assert r["report"]["guarantee"] == "rollback"  # a backup was ready; nothing needed restoring
 
 
-def test_a_failed_direct_update_stops_generation_until_a_good_one(main, weights):
+def test_nan_is_refused_by_the_sender_before_any_rpc_even_in_direct_mode(main):
     r = main["direct_nan"]
-    assert (r["ok"], r["kind"], r["state"]) == (False, "validation", "mixed"), r
+    assert (r["ok"], r["kind"], r["state"]) == (False, "validation", "unchanged"), r
+    assert "NaN or infinite" in r["message"]
+    assert not r["report"]["workers"]  # refused in the trainer's process: no worker saw it
+    assert _equal(main, "eq_direct_nan")[0]
+
+
+def test_a_fault_after_the_first_write_without_backup_leaves_mixed_until_a_good_update(main, weights):
+    """validate-then-write: no backup, so a failure after the first write leaves a mix of old and new weights;
+    the engine refuses requests until a complete update lands."""
+    r = main["vtw_fault"]
+    assert (r["ok"], r["kind"], r["state"]) == (False, "fault", "mixed"), r
+    assert r["report"]["guarantee"] == "validate-then-write" and r["report"]["backup"] is None
     assert "mixed-weights" in r["message"]
     assert "request refused" in main["g_poisoned"]["error"]
     good = main["push_C_direct"]
     assert good["ok"] and good["report"]["mode"] == "direct" and good["report"]["version"] == 10
+    assert good["report"]["guarantee"] == "none"
     assert main["v_C"]["version"] == 10 and _versions(_reqs(main, "g_C")) == {(10, 10)}
     assert _vs_reference(_reqs(main, "g_C"), weights["llama-tiny"]["C"])["token_mult_prob_error"] <= 1.02
+
+
+def test_faults_before_the_first_write_and_with_a_forced_backup(main):
+    r = main["fault_prepare"]
+    assert (r["ok"], r["kind"], r["state"]) == (False, "fault", "unchanged"), r
+    assert _equal(main, "eq_fault_prepare")[0]
+    assert _same(_reqs(main, "g_fault_prepare"), _reqs(main, "g_B_dist")) == 0.0  # still serving, same weights
+    r = main["fault_rollback"]
+    assert (r["ok"], r["kind"], r["state"]) == (False, "fault", "restored"), r
+    assert r["report"]["guarantee"] == "rollback" and r["report"]["backup"]["kind"] == "host"
+    assert "restore_compared" in r["report"]["checks"]
+    eq, detail = _equal(main, "eq_fault_rollback")
+    assert eq, detail  # restored bit-identically (torch.equal with the copy taken before)
+    assert _same(_reqs(main, "g_fault_rollback"), _reqs(main, "g_B_dist")) == 0.0
+
+
+def test_a_session_of_three_parts_is_one_update(main):
+    r = main["sess_C"]
+    assert r["ok"] and len(r["parts"]) == 3, r
+    assert all(p["state"] == "writing" and p["version"] is None for p in r["parts"])
+    assert r["report"]["state"] == "committed" and r["report"]["version"] == 13
+    assert main["v_sess"]["version"] == 13  # one bump for three calls
+    assert _same(_reqs(main, "g_sess"), _reqs(main, "g_C")) == 0.0  # the same weights C as the direct push
+    assert _versions(_reqs(main, "g_sess")) == {(13, 13)}
+
+
+def test_an_aborted_session_is_undone_or_mixed_as_its_guarantee_says(main, stock):
+    r = main["sess_abort_rb"]
+    assert r["aborted"] and len(r["parts"]) == 2 and r["report"]["state"] == "restored", r
+    assert r["report"]["guarantee"] == "rollback"
+    eq, detail = _equal(main, "eq_sess_abort_rb")
+    assert eq, detail
+    assert _same(_reqs(main, "g_sess_abort_rb"), _reqs(main, "g_sess")) == 0.0
+    r = main["sess_abort_vtw"]
+    assert r["aborted"] and r["report"]["state"] == "mixed" and r["report"]["guarantee"] == "validate-then-write", r
+    assert "request refused" in main["g_sess_mixed"]["error"]
+    assert main["push_B_final"]["ok"] and main["v_B_final"]["version"] == 14
+    assert _same(_reqs(main, "g_B_final"), _reqs(stock, "g_B")) == 0.0
 
 
 def test_trainer_style_per_parameter_load_weights_works(main, stock, version):
@@ -272,7 +368,7 @@ def test_tied_embedding_model(qwen, stock_qwen, weights, version):
     w = weights["qwen2-tiny"]
     r = qwen["bad_tied_mismatch"]
     assert (r["kind"], r["state"]) == EXPECT["tied_mismatch"] and WORDS["tied_mismatch"] in r["message"], r
-    assert qwen["fp_tied_mismatch"]["workers"] == qwen["fp0"]["workers"]
+    assert _equal(qwen, "eq_tied_mismatch")[0]
     assert qwen["push_B"]["ok"], qwen["push_B"]
     assert _same(_reqs(qwen, "g_B"), _reqs(stock_qwen, "g_B")) == 0.0
     assert _vs_reference(_reqs(qwen, "g_C"), w["C"])["token_mult_prob_error"] <= 1.02

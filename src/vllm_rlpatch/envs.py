@@ -221,6 +221,18 @@ KV_CACHE_BYTES = EnvVar(
     "KV-cache pin: applied as `kv_cache_memory_bytes` to every engine that did not set it (`kv_cache_pin`); "
     "`vllm-rlpatch kv-pin` measures the value that survives sleep -> trainer -> wake. Accepts " + SIZE_HELP + ".",
 )
+BACKUP_HOST_BYTES = EnvVar(
+    PREFIX + "BACKUP_HOST_BYTES", lambda name, raw: parse_size(raw, name), None,
+    "Most host memory a refit's backup (the `rollback` guarantee) may use, pinned next to a CUDA model "
+    "(default: half the host's available memory). A backup that does not fit is refused before anything is "
+    "written (`validate-then-write` or `mode=\"direct\"` are offered), never spilled to pageable memory.",
+)
+FAULT_INJECTION = EnvVar(
+    PREFIX + "FAULT_INJECTION", parse_bool, False,
+    "Testing only: 1 lets a refit request inject a fault (`_inject_fault`) into the worker transaction "
+    "(before the first write, after the first write, or on one rank), to test what each guarantee level leaves. "
+    "Ignored (the request is refused) when unset.",
+)
 ROLLOUT_TOKENS = EnvVar(
     PREFIX + "ROLLOUT_TOKENS", lambda name, raw: parse_token_count(raw, name), None,
     "Tokens the rollout keeps in the KV cache at once (`262144`, `256k`, or `256x4096` = concurrent sequences x "
@@ -230,7 +242,7 @@ ROLLOUT_TOKENS = EnvVar(
 
 GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, PROFILE, STRICT, LOG_LEVEL, STATUS_DIR, INFLIGHT, PORT_LEASE_S, PORT_BAND,
                                    PORT_LEASE_DIR, REFIT_SHM_DIR, HTTP_TOKEN, HTTP_REMOTE, KV_CACHE_BYTES,
-                                   ROLLOUT_TOKENS)
+                                   BACKUP_HOST_BYTES, FAULT_INJECTION, ROLLOUT_TOKENS)
 
 
 def patch_toggle(patch_name: str, default: bool) -> EnvVar:

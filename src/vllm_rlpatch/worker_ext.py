@@ -47,6 +47,18 @@ class RLPatchWorkerExtension:
         weights.settle(self)
         return weights.weight_version(self)
 
+    def rlpatch_weight_state(self) -> dict[str, Any]:
+        """This worker's weight version and mixed-weights state, as data (never raises for mixed weights):
+        what the engine core and the front end ask after an update RPC failed."""
+        from vllm_rlpatch.hooks import mixed, weights
+
+        try:
+            weights.settle(self, raise_mixed=False)
+        except Exception:  # closing a half-loaded direct-load session failed: the state below says what it left
+            pass
+        m = mixed.worker_state()
+        return {"version": weights.weight_version(self), "mixed": m.as_dict() if m is not None else None}
+
     # ---- the refit API (vllm_rlpatch.refit); see vllm_rlpatch.refit.worker for the protocol
     def rlpatch_refit_describe(self) -> dict[str, Any]:
         from vllm_rlpatch.refit import worker
@@ -61,13 +73,20 @@ class RLPatchWorkerExtension:
         return worker.for_worker(self).prepare(request)
 
     def rlpatch_refit_commit(self, txid: str, version: int | None = None, release: bool = True,
-                             inflight: str | None = None, request: dict[str, Any] | None = None) -> dict[str, Any]:
+                             inflight: str | None = None, request: dict[str, Any] | None = None,
+                             final: bool = True) -> dict[str, Any]:
         from vllm_rlpatch.hooks import weights
         from vllm_rlpatch.refit import worker
 
         if request is not None:
             weights.settle(self, raise_mixed=False)
-        return worker.for_worker(self).commit(txid, version=version, release=release, request=request)
+        return worker.for_worker(self).commit(txid, version=version, release=release, request=request, final=final)
+
+    def rlpatch_refit_inject_fault(self, where: str) -> dict[str, Any]:
+        """Testing only (``VLLM_RLPATCH_FAULT_INJECTION=1``): arm a fault in this worker's next refit."""
+        from vllm_rlpatch.refit import worker
+
+        return worker.for_worker(self).arm_fault(where)
 
     def rlpatch_refit_abort(self, txid: str) -> dict[str, Any]:
         from vllm_rlpatch.refit import worker

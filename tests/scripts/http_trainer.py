@@ -18,7 +18,7 @@ def main():
     from safetensors.torch import load_file
 
     from vllm_rlpatch.refit import RefitError, push_weights, weight_version
-    from vllm_rlpatch.refit import transports as T
+    from vllm_rlpatch.refit import dist as T
     from vllm_rlpatch.refit.http import HttpTarget
 
     sd = load_file(os.path.join(spec["weights"], "model.safetensors"))

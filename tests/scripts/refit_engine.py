@@ -12,6 +12,10 @@ ops (each result is recorded under its "name"):
   {"op": "rpc", "method": M, "args": [...]}                         collective_rpc (a framework's extension)
   {"op": "reload", "path": DIR}                                     collective_rpc("reload_weights", weights_path=DIR)
   {"op": "sleep", "level": 1} / {"op": "wake_up", "tags": [...]}
+  {"op": "session", "weights": "B", "parts": 3, "kw": {...}, "abort_after": K}
+                                                                    refit_session: the state dict in `parts`
+                                                                    interleaved parts (a fused layer's q, k, v
+                                                                    land in different parts); abort before part K
 Bad-input CASEs mutate the state dict of "weights" before pushing: unknown, missing, shape, dtype, nan, inf,
 duplicate, empty, not_tensor, old_version, tied_mismatch, half_layer, sender_stops, direct_nan, asleep,
 hf_fused_experts.
@@ -88,6 +92,29 @@ def _poke(t, value):
     return t
 
 
+def session(llm, op, spec):
+    from vllm_rlpatch.refit import RefitError, refit_session
+
+    items = list(state_dict(spec["weights"][op.get("weights", "B")], spec.get("tied", False)).items())
+    n = int(op.get("parts", 3))
+    chunks = [items[i::n] for i in range(n)]
+    s = refit_session(llm, **op.get("kw", {})).begin()
+    parts = []
+    try:
+        for k, chunk in enumerate(chunks):
+            if op.get("abort_after") == k:
+                rep = s.abort()
+                return {"ok": rep.ok, "aborted": True, "report": rep.as_dict(), "parts": parts}
+            parts.append(s.push(chunk).as_dict())
+        rep = s.commit()
+        return {"ok": True, "report": rep.as_dict(), "parts": parts}
+    except RefitError as e:
+        if s.open:
+            s.abort()
+        return {"ok": False, "kind": e.kind, "state": e.state, "message": str(e), "parts": parts,
+                "report": e.report.as_dict() if e.report is not None else None}
+
+
 def generate(llm, vllm, op):
     sp = vllm.SamplingParams(**op.get("sampling", {"temperature": 0.0, "max_tokens": 16, "logprobs": 0}))
     try:
@@ -108,7 +135,7 @@ def push(llm, op, spec):
     import torch
 
     from vllm_rlpatch.refit import RefitError, push_weights
-    from vllm_rlpatch.refit import transports as T
+    from vllm_rlpatch.refit import dist as T
 
     sd = state_dict(spec["weights"][op.get("weights", "B")], spec.get("tied", False))
     kw = dict(op.get("kw", {}))
@@ -160,6 +187,8 @@ def main():
                 r = generate(llm, vllm, op)
             elif kind == "push":
                 r = push(llm, op, spec)
+            elif kind == "session":
+                r = session(llm, op, spec)
             elif kind == "fingerprint":
                 r = {"workers": llm.collective_rpc("rlpatch_fingerprint")}
             elif kind == "version":

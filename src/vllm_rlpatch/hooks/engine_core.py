@@ -36,7 +36,7 @@ import weakref
 from typing import Any, Callable, NamedTuple
 
 from vllm_rlpatch import _wrapping
-from vllm_rlpatch.hooks.layerwise import MIXED_MARK
+from vllm_rlpatch.hooks import mixed
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -65,8 +65,8 @@ FRONTEND_TARGETS = (
 TARGETS = CORE_TARGETS + SCHED_TARGETS + FRONTEND_TARGETS
 
 # RPCs that never change weights (ours, and vLLM's own read-only ones): no worker-version check after them.
-_READ_ONLY = frozenset({"rlpatch_ping", "rlpatch_status", "rlpatch_weight_version", "rlpatch_refit_describe",
-                        "rlpatch_refit_layout", "rlpatch_fingerprint", "rlpatch_refit_release", "get_model", "check_health",
+_READ_ONLY = frozenset({"rlpatch_ping", "rlpatch_status", "rlpatch_weight_version", mixed.STATE_RPC, "rlpatch_refit_describe",
+                        "rlpatch_refit_layout", "rlpatch_refit_inject_fault", "rlpatch_fingerprint", "rlpatch_refit_release", "get_model", "check_health",
                         "get_kv_cache_spec", "determine_available_memory", "get_supported_tasks", "list_loras",
                         "get_cache_block_size_bytes", "is_sleeping", "update_max_model_len",
                         "compute_weight_checksums"})
@@ -169,7 +169,8 @@ class Guard:
         self.rpc: tuple[str, tuple, dict] | None = None  # the collective_rpc being handled
         self.inflight_override: str | None = None  # per-update in-flight policy (the refit API's `inflight`)
         self.last_update: dict[str, Any] = {}  # what the policies did at the latest update
-        self.poisoned: str | None = None  # the weights are a mix: refuse to generate until a good update lands
+        self.poisoned: mixed.MixedWeights | None = None  # refuse to generate until a good update lands
+        self.session: str | None = None  # txid of a multi-call update in progress: no generation meanwhile
         if self.in_process_worker is not None:
             from vllm_rlpatch.hooks import weights
 
@@ -259,44 +260,47 @@ class Guard:
     def inflight(self, default: str) -> str:
         return self.inflight_override or default
 
-    def poison(self, reason: str) -> None:
+    def poison(self, m: mixed.MixedWeights) -> None:
         """The workers hold a mix of old and new weights: abort what runs, refuse new requests."""
         first = self.poisoned is None
-        self.poisoned = reason
+        self.poisoned = m
         if first:
             logger.error("vllm-rlpatch: engine core refuses to generate until a complete weight update lands: %s",
-                         reason)
+                         m.message)
         if self.scheduler is not None:
             self.abort_running("the weights are a mix of old and new after a failed update")
 
-    def check_workers(self, method: str) -> None:
-        """After an RPC: did the workers' weight version move?"""
+    def check_workers(self, method: str) -> mixed.MixedWeights | None:
+        """After an RPC: did the workers' weight version move, and do they hold mixed weights? (asked as data:
+        the in-process worker directly, others with one ``rlpatch_weight_state`` RPC)."""
         if self.in_process_worker is not None:
             from vllm_rlpatch.hooks import weights
 
-            weights.settle(self.in_process_worker)
+            try:
+                weights.settle(self.in_process_worker, raise_mixed=False)
+            except Exception:
+                logger.debug("vllm-rlpatch: settling the worker after %r failed", method, exc_info=True)
             v = weights.weight_version(self.in_process_worker)
             if v > self.worker_version:
                 self.updated(f"collective_rpc:{method}", v)
-            return
+            return mixed.worker_state()
         if not self.can_query:
             if method in update_method_names():
                 self.updated(f"collective_rpc:{method}")
-            return
+            return None
         core = self.core
         try:
-            versions = core.model_executor.collective_rpc("rlpatch_weight_version")
+            states = core.model_executor.collective_rpc(mixed.STATE_RPC)
         except Exception as e:  # no rlpatch worker extension in this engine
-            if MIXED_MARK in str(e):
-                raise  # the workers hold a mix of old and new weights: the caller poisons the engine
             self.can_query = False
             logger.warning("vllm-rlpatch: cannot read the workers' weight version (%s: %s); weight updates are "
                            "then recognised by RPC name only (reload_weights, update_weights, "
                            "finish_weight_update)", type(e).__name__, e)
-            return
-        v = max((int(x) for x in versions if isinstance(x, int)), default=0)
+            return None
+        v = max((int(x["version"]) for x in states if isinstance(x, dict)), default=0)
         if v > self.worker_version:
             self.updated(f"collective_rpc:{method}", v)
+        return mixed.from_results(states)
 
     # ------------------------------------------------------------------ outputs
     def tag_outputs(self, version: int, outputs: dict[int, Any]) -> None:
@@ -406,12 +410,6 @@ def _rpc_parts(args, kwargs) -> tuple[str, tuple, dict]:
     return method, tuple(rargs or ()), dict(rkw or {})
 
 
-def _mixed_reason(e: BaseException) -> str:
-    text = str(e)
-    i = text.find(MIXED_MARK)
-    return text[i:].splitlines()[0].rstrip("'\"") if i >= 0 else text.splitlines()[0]
-
-
 def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
     method, rargs, rkw = _rpc_parts(args, kwargs)
     if method in _READ_ONLY:
@@ -420,6 +418,7 @@ def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
     g.rpc = (method, rargs, rkw)
     g.inflight_override = rkw.get("inflight") if method in REFIT_RPCS else None
     try:
+        _session_gate(g, method, rargs, rkw)
         for p in _policies():
             if p.before_rpc is not None:
                 p.before_rpc(g, method)
@@ -428,29 +427,35 @@ def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
         _TLS.local_event = False
         try:
             result = wrapped(*args, **kwargs)
-        except Exception as e:
-            if MIXED_MARK in str(e):
-                g.poison(_mixed_reason(e))
+        except Exception:
+            # what did the failed RPC leave? (asked as data, not read out of the exception's text)
+            try:
+                left = g.check_workers(method)
+            except Exception:
+                left = None
+                logger.debug("vllm-rlpatch: weight-state check after a failed %r failed", method, exc_info=True)
+            if left is not None:
+                g.poison(left)
             raise
         finally:
             _TLS.rpc_guard = outer
         mixed_after = None
         if method != REFIT_PREPARE:  # prepare writes nothing
             try:
-                g.check_workers(method)
-            except Exception as e:
-                if MIXED_MARK in str(e):
-                    mixed_after = _mixed_reason(e)
-                    g.poison(mixed_after)
-                else:
-                    logger.exception("vllm-rlpatch: weight-version check after collective_rpc(%r) failed", method)
+                mixed_after = g.check_workers(method)
+            except Exception:
+                logger.exception("vllm-rlpatch: weight-version check after collective_rpc(%r) failed", method)
+            if mixed_after is not None:
+                g.poison(mixed_after)
         if mixed_after is not None and method not in REFIT_RPCS:
             # the RPC returned, but the weights it left are a mix (e.g. a framework method swallowed the
             # reload's error): tell its caller instead of returning as if all went well
-            raise RuntimeError(mixed_after)
+            raise mixed.MixedWeightsError(mixed_after)
         if method in REFIT_RPCS and isinstance(result, list):
-            if any(isinstance(r, dict) and r.get("state") == "mixed" for r in result):
-                g.poison(next(r.get("message") for r in result if isinstance(r, dict) and r.get("state") == "mixed"))
+            m = mixed.from_results(result)
+            if m is not None:
+                g.poison(m)
+            _session_after(g, method, rargs, rkw, result)
             if method == REFIT_COMMIT:
                 info = {**g.last_update, "engine_version": g.version}
                 for r in result:
@@ -460,6 +465,35 @@ def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
     finally:
         g.rpc = None
         g.inflight_override = None
+
+
+def _session_gate(g: Guard, method: str, rargs: tuple, rkw: dict) -> None:
+    """A multi-call update (refit session) writes in several RPCs: no request may compute in between. Its
+    first part needs an idle engine (running requests are aborted with ``inflight="abort"``, else the part is
+    refused); new requests are refused until the session commits or aborts."""
+    if method != REFIT_PREPARE or not rargs or not isinstance(rargs[0], dict) or not rargs[0].get("session"):
+        return
+    txid = rargs[0].get("txid")
+    if g.session == txid:
+        return
+    running = g.running()
+    if running:
+        if g.inflight("") == "abort":
+            g.abort_running("a multi-call weight update started (inflight=abort)")
+        else:
+            raise RuntimeError(f"vllm-rlpatch: multi-call weight update refused: {len(running)} request(s) are running; "
+                               "a session changes the weights over several calls, so it needs an idle engine (wait "
+                               "for them, or pass inflight='abort' to finish them)")
+    g.session = txid
+
+
+def _session_after(g: Guard, method: str, rargs: tuple, rkw: dict, result: list) -> None:
+    if g.session is None or not rargs or rargs[0] != g.session:
+        return
+    done = (method == REFIT_ABORT) or (method == REFIT_COMMIT and rkw.get("final", True))
+    failed = any(isinstance(r, dict) and not r.get("ok") for r in result)
+    if done or (method == REFIT_COMMIT and failed):
+        g.session = None
 
 
 def _preprocess_wrapper(wrapped, instance, args, kwargs):
@@ -488,8 +522,11 @@ def _add_request_wrapper(wrapped, instance, args, kwargs):
                 g.salt(req, rehash=True)
         g.kv_version[req.request_id] = g.version
     result = wrapped(*args, **kwargs)
-    if g.poisoned is not None and req is not None and hasattr(req, "request_id"):
-        g.abort_ids([req.request_id], f"refused: {g.poisoned}")
+    if req is not None and hasattr(req, "request_id"):
+        if g.poisoned is not None:
+            g.abort_ids([req.request_id], f"refused: {g.poisoned.message}")
+        elif g.session is not None:
+            g.abort_ids([req.request_id], "refused: a multi-call weight update is in progress")
     return result
 
 

@@ -40,7 +40,9 @@ MODULE = "vllm.model_executor.model_loader.reload.layerwise"
 FINALIZE = f"{MODULE}:finalize_layerwise_processing"
 PROCESS = f"{MODULE}:_layerwise_process"
 TARGETS = (FINALIZE, PROCESS)
-MIXED_MARK = "[vllm-rlpatch:mixed-weights]"
+from vllm_rlpatch.hooks import mixed as _mixed_state
+
+MIXED_MARK = _mixed_state.MARK  # starts every mixed-weights message (for people; code reads the state)
 
 
 class LayerwiseError(RuntimeError):
@@ -83,7 +85,6 @@ class _Tls(threading.local):
 _TLS = _Tls()
 _LOCK = threading.RLock()
 _users: set[str] = set()
-_mixed: str | None = None  # the last reload in this process left old and new layers (cleared by a complete one)
 _default: Policy | None = None  # set by the refit_guard patch: every reload in the process is strict
 
 
@@ -231,7 +232,6 @@ def _process_wrapper(wrapped, instance, args, kwargs):
 
 
 def _finalize_wrapper(wrapped, instance, args, kwargs):
-    global _mixed
     pol = _current()
     if pol is None:
         return wrapped(*args, **kwargs)
@@ -298,14 +298,15 @@ def _finalize_wrapper(wrapped, instance, args, kwargs):
     if f.tied_unsupported:
         problems.append(f"tied layer(s) {', '.join(f.tied_unsupported)} could not be re-processed (quantized head)")
     if not problems and (pol.require_full or not f.empty):
-        _mixed = None  # a complete reload: whatever mix there was is gone
+        _mixed_state.clear_worker()  # a complete reload: whatever mix there was is gone
     if problems and pol.raise_errors:
-        mixed = f.processed > 0
         msg = "vllm-rlpatch: incomplete weight reload: " + "; ".join(problems)
-        if mixed:
-            msg = (f"{MIXED_MARK} {msg}. {f.processed} other layer(s) already hold the new weights: the model is a "
-                   "mix of old and new weights")
-            _mixed = msg
+        if f.processed > 0:
+            m = _mixed_state.MixedWeights(
+                f"{msg}. {f.processed} other layer(s) already hold the new weights: the model is a mix of old and "
+                "new weights", tuple(h.split(" (")[0] for h in f.half) + tuple(f.empty), "reload")
+            _mixed_state.set_worker(m)
+            msg = m.message
         raise LayerwiseError(msg, f)
     return result
 
@@ -339,16 +340,6 @@ def _install(module: Any = None) -> None:
                 return
         _wrapping.wrap(FINALIZE, _finalize_wrapper, OWNER)
         _wrapping.wrap(PROCESS, _process_wrapper, OWNER)
-
-
-def mixed() -> str | None:
-    """Why the model in this process holds a mix of old and new layers (None: it does not)."""
-    return _mixed
-
-
-def clear_mixed() -> None:
-    global _mixed
-    _mixed = None
 
 
 # ------------------------------------------------------------------------------------------ sessions

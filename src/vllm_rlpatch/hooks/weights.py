@@ -108,25 +108,57 @@ def remove_settler(fn: Callable[[Any], None]) -> None:
         _SETTLERS.remove(fn)
 
 
-_RPC_ERROR_LISTENERS: list[Callable[[Any, str, BaseException], None]] = []
+# Listeners of a failed front-end collective_rpc: (engine, method, exception, the workers' mixed state or
+# None). The state is asked for as data (the workers' STATE_RPC), never parsed out of the exception's text.
+_RPC_ERROR_LISTENERS: list[Callable[[Any, str, BaseException, Any], None]] = []
 
 
-def add_rpc_error_listener(fn: Callable[[Any, str, BaseException], None]) -> None:
+def add_rpc_error_listener(fn: Callable[[Any, str, BaseException, Any], None]) -> None:
     if fn not in _RPC_ERROR_LISTENERS:
         _RPC_ERROR_LISTENERS.append(fn)
 
 
-def remove_rpc_error_listener(fn: Callable[[Any, str, BaseException], None]) -> None:
+def remove_rpc_error_listener(fn: Callable[[Any, str, BaseException, Any], None]) -> None:
     if fn in _RPC_ERROR_LISTENERS:
         _RPC_ERROR_LISTENERS.remove(fn)
 
 
-def _rpc_failed(engine: Any, method: str, exc: BaseException) -> None:
+def _notify(engine: Any, method: str, exc: BaseException, state: Any) -> None:
     for fn in list(_RPC_ERROR_LISTENERS):
         try:
-            fn(engine, method, exc)
+            fn(engine, method, exc, state)
         except Exception:
             logger.debug("vllm-rlpatch: rpc error listener failed", exc_info=True)
+
+
+def _state_of(results: Any):
+    from vllm_rlpatch.hooks import mixed
+
+    return mixed.from_results(results)
+
+
+def _rpc_failed(engine: Any, method: str, exc: BaseException) -> None:
+    from vllm_rlpatch.hooks import mixed
+
+    if not _RPC_ERROR_LISTENERS or method == mixed.STATE_RPC:
+        return
+    try:
+        state = _state_of(engine.collective_rpc(mixed.STATE_RPC))
+    except Exception:  # no rlpatch worker extension, or a dead engine: nothing more to learn
+        state = None
+    _notify(engine, method, exc, state)
+
+
+async def _rpc_failed_async(engine: Any, method: str, exc: BaseException) -> None:
+    from vllm_rlpatch.hooks import mixed
+
+    if not _RPC_ERROR_LISTENERS or method == mixed.STATE_RPC:
+        return
+    try:
+        state = _state_of(await engine.collective_rpc(mixed.STATE_RPC))
+    except Exception:
+        state = None
+    _notify(engine, method, exc, state)
 
 
 def settle(worker: Any, raise_mixed: bool = True) -> None:
@@ -213,12 +245,17 @@ def _is_update(args, kwargs) -> str | None:
     return method if method in _UPDATE_METHODS else None
 
 
+def _rpc_method(args, kwargs) -> str:
+    method = args[0] if args else kwargs.get("method")
+    return method if isinstance(method, str) else "?"
+
+
 def _sync_rpc_wrapper(wrapped, instance, args, kwargs):
     method = _is_update(args, kwargs)
     try:
         result = wrapped(*args, **kwargs)
-    except BaseException as e:
-        _rpc_failed(instance, method or "?", e)
+    except Exception as e:
+        _rpc_failed(instance, _rpc_method(args, kwargs), e)
         raise
     if method is not None:
         fire(instance, f"collective_rpc:{method}", "frontend")
@@ -237,8 +274,8 @@ def _async_rpc_wrapper(wrapped, instance, args, kwargs):
         async def _watch():
             try:
                 return await coro
-            except BaseException as e:
-                _rpc_failed(instance, "?", e)
+            except Exception as e:
+                await _rpc_failed_async(instance, _rpc_method(args, kwargs), e)
                 raise
 
         return _watch()
@@ -246,8 +283,8 @@ def _async_rpc_wrapper(wrapped, instance, args, kwargs):
     async def _run():
         try:
             result = await coro
-        except BaseException as e:
-            _rpc_failed(instance, method, e)
+        except Exception as e:
+            await _rpc_failed_async(instance, method, e)
             raise
         fire(instance, f"collective_rpc:{method}", "frontend")
         return result

@@ -42,7 +42,7 @@ import weakref
 from typing import Any
 
 from vllm_rlpatch import _wrapping
-from vllm_rlpatch.hooks import engine_core, layerwise, wake, weights
+from vllm_rlpatch.hooks import engine_core, layerwise, mixed, wake, weights
 from vllm_rlpatch.registry import PatchSpec
 
 logger = logging.getLogger("vllm.rlpatch")
@@ -170,8 +170,10 @@ def route(wrapped, model, worker, args, kwargs):
         abort_open_reload(worker)
         if processed:
             _mark_dirty(worker)
-            raise RuntimeError(f"{layerwise.MIXED_MARK} vllm-rlpatch: model.load_weights raised after {processed} "
-                               f"layer(s) already took the new weights ({type(e).__name__}: {e})") from e
+            m = mixed.MixedWeights(f"vllm-rlpatch: model.load_weights raised after {processed} layer(s) already took "
+                                   f"the new weights ({type(e).__name__}: {e})", (), "model.load_weights")
+            mixed.set_worker(m)
+            raise mixed.MixedWeightsError(m) from e
         raise
     if layerwise.half_loaded(model):
         _mark_dirty(worker)
@@ -198,10 +200,10 @@ def settle(worker: Any, raise_mixed: bool = True) -> None:
     if getattr(worker, "_rlpatch_dirty", False):
         object.__setattr__(worker, "_rlpatch_dirty", False)
         weights.fire(worker, "model.load_weights", "worker")
-    why = layerwise.mixed()
+    why = mixed.worker_state()
     if why is not None and raise_mixed:
         # a reload failed half-way and the caller swallowed the error (a framework's own worker method)
-        raise RuntimeError(why)
+        raise mixed.MixedWeightsError(why)
 
 
 def _execute_wrapper(wrapped, instance, args, kwargs):
@@ -276,27 +278,21 @@ def _refused_class() -> type:
 
 
 def _front_add_request(wrapped, instance, args, kwargs):
-    from vllm_rlpatch.refit.api import poisoned
-
-    reason = poisoned(instance)
-    if reason is not None:
+    m = mixed.poisoned(instance)
+    if m is not None:
         raise _refused_class()(f"vllm-rlpatch: request refused, the engine's weights are not consistent: "
-                               f"{reason}. Push a complete update (push_weights) to resume")
+                               f"{m.message}. Push a complete update (push_weights) to resume")
     return wrapped(*args, **kwargs)
 
 
 def _on_event(ev, engine) -> None:
     if ev.side == "frontend":
-        from vllm_rlpatch.refit.api import clear_poison
-
-        clear_poison(engine)
+        mixed.clear(engine)
 
 
-def _on_rpc_error(engine: Any, method: str, exc: BaseException) -> None:
-    if layerwise.MIXED_MARK in str(exc):
-        from vllm_rlpatch.refit.api import poison
-
-        poison(engine, engine_core._mixed_reason(exc))
+def _on_rpc_error(engine: Any, method: str, exc: BaseException, state: "mixed.MixedWeights | None") -> None:
+    if state is not None:  # the workers said so (as data), after the RPC failed
+        mixed.poison(engine, state)
 
 
 _LAZY = [

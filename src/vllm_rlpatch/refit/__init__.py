@@ -1,16 +1,24 @@
 """The trainer-agnostic weight-update API.
 
-    from vllm_rlpatch.refit import push_weights, weight_version
+    from vllm_rlpatch.refit import push_weights, refit_session, weight_version
     report = push_weights(llm, model.state_dict().items())      # a vllm.LLM, AsyncLLM, Ray handle or URL
-    report.version, report.gbps, report.stages                   # what happened, how fast
+    report.guarantee, report.version, report.stages              # what was promised and what happened
+    with refit_session(llm) as s:                                # one update in several calls
+        for bucket in buckets:
+            s.push(bucket)
     weight_version(llm)                                          # the engine's current weight version
 
-See :mod:`vllm_rlpatch.refit.api` (targets, modes, in-flight policies), :mod:`.transports` (shm, dist,
-cuda_ipc) and :mod:`.worker` (the engine side: validation, atomic commit, rollback).
+Layout: :mod:`.api` (the sender: ``push_weights``), :mod:`.session`, :mod:`.target` (what can be updated),
+:mod:`.coordinator` (the worker RPCs in order), one module per transport with its sender and its source
+(:mod:`.shm`, :mod:`.dist`, :mod:`.cuda_ipc`), and on the engine side :mod:`.transaction` (guarantee levels),
+:mod:`.backup`, :mod:`.plan` (the copy plan) and :mod:`.checks` (the fused checksum + finite check).
 """
 
-from vllm_rlpatch.refit.api import EngineLayout, RefitReport, push_weights, push_weights_async, weight_version
-from vllm_rlpatch.refit.protocol import RefitError, fingerprint, fingerprints
+from vllm_rlpatch.refit.api import RefitReport, push_weights, push_weights_async, weight_version
+from vllm_rlpatch.refit.cuda_ipc import EngineLayout
+from vllm_rlpatch.refit.protocol import GUARANTEES, RefitError, fingerprint, fingerprints
+from vllm_rlpatch.refit.session import RefitSession, refit_session
+from vllm_rlpatch.refit.target import Target
 
-__all__ = ["EngineLayout", "RefitError", "RefitReport", "fingerprint", "fingerprints", "push_weights", "push_weights_async",
-           "weight_version"]
+__all__ = ["EngineLayout", "GUARANTEES", "RefitError", "RefitReport", "RefitSession", "Target", "fingerprint",
+           "fingerprints", "push_weights", "push_weights_async", "refit_session", "weight_version"]

@@ -27,7 +27,8 @@ import urllib.request
 from typing import Any
 
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.api import _Target, coordinate_on_async, run_async
+from vllm_rlpatch.refit.coordinator import coordinate_on_async, run_async
+from vllm_rlpatch.refit.target import Target
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -234,7 +235,7 @@ def chat_full_wrapper(wrapped, instance, args, kwargs):
 
 
 # ------------------------------------------------------------------------------------------ client
-class HttpTarget(_Target):
+class HttpTarget(Target):
     """``http://host:port`` of a ``vllm serve`` started with the plugin."""
 
     kind = "http"

@@ -13,7 +13,14 @@ that does anything but views and copies on the source (a concatenation, arithmet
 unusable, as does a copy into anything that is not a parameter or buffer of the model.
 
 Trust: a plan is used only after it was verified against a real update that went through vLLM's own
-layerwise reload: every recorded destination window must hold exactly the source window it names.
+layerwise reload: every recorded destination window must hold exactly the source window it names. It stays
+trusted only while every destination is still the model's live storage (:meth:`CopyPlan.live`: a
+``data_ptr`` check before each use); anything that re-points a parameter (a reload, sleep level 2, a LoRA
+change) invalidates it, and the next complete layerwise update captures a new one.
+
+With a plan, a write is plain copies that cannot fail part-way once validated, which is what the
+``validate-then-write`` guarantee needs (:meth:`CopyPlan.preconditions`), and its destination windows can be
+compared with the sources' digests after the write.
 """
 
 from __future__ import annotations
@@ -35,6 +42,30 @@ class Entry:
     dst: torch.Tensor  # the parameter/buffer (its storage is the destination)
     dst_geom: tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, absolute storage offset
     src_geom: tuple[tuple[int, ...], tuple[int, ...], int]  # relative to a contiguous source tensor
+    dst_ptr: int = 0  # the storage's data_ptr when the plan was captured (liveness)
+    src_numel: int = 0  # elements of the whole source tensor
+
+    @property
+    def whole_source(self) -> bool:
+        """Does the window read the whole source tensor in order (no tensor-parallel slice)?"""
+        size, stride, off = self.src_geom
+        return off == 0 and _numel(size) == self.src_numel and _contiguous(size, stride)
+
+
+def _numel(size) -> int:
+    n = 1
+    for d in size:
+        n *= d
+    return n
+
+
+def _contiguous(size, stride) -> bool:
+    expect = 1
+    for d, st in zip(reversed(list(size)), reversed(list(stride))):
+        if d != 1 and st != expect:
+            return False
+        expect *= d
+    return True
 
 
 class PlanError(RuntimeError):
@@ -105,7 +136,7 @@ class CopyPlan:
             if not cap.records:
                 raise PlanError(f"{name}: the loader copied nothing (a skipped or tied name)")
             for owner, dg, sg in cap.records:
-                entries.append(Entry(name, owner, dg, sg))
+                entries.append(Entry(name, owner, dg, sg, owner.data.untyped_storage().data_ptr(), origin.numel()))
             names.append(name)
         return cls(entries, names, time.perf_counter() - t0)
 
@@ -151,3 +182,66 @@ class CopyPlan:
 
     def covers(self, names: set[str]) -> bool:
         return names == set(self.names)
+
+    def covers_part(self, names: set[str]) -> bool:
+        """Every name of a part of an update (a multi-call session) has its windows in the plan."""
+        return names <= set(self.names)
+
+    def live(self) -> str | None:
+        """None if every destination is still the model's storage the plan was captured on, else why not."""
+        for e in self.entries:
+            d = e.dst.data
+            if d.is_meta or d.untyped_storage().data_ptr() != e.dst_ptr:
+                return f"{e.name}: its parameter no longer lives where the plan recorded it (re-pointed by a reload, " \
+                       "a sleep or a LoRA change)"
+        return None
+
+    def entries_for(self, names: set[str] | None = None) -> list[Entry]:
+        return [e for e in self.entries if names is None or e.name in names]
+
+    def windows(self, entries: list[Entry]) -> list[torch.Tensor]:
+        return [self._dst_view(e.dst, e.dst_geom) for e in entries]
+
+    def preconditions(self, entries: list[Entry], sources: dict[str, torch.Tensor], allow_cast: bool) -> str | None:
+        """What ``validate-then-write`` proves before the first write (None: all hold): every source is
+        resident on the destination's device and contiguous (the copy allocates nothing), its dtype is the
+        destination's or castable in the copy, no source overlaps a destination window, and every destination
+        is still live storage."""
+        why = self.live()
+        if why:
+            return why
+        ranges = []
+        for e in entries:
+            d = e.dst.data
+            base = d.untyped_storage().data_ptr()
+            ranges.append((base, base + d.untyped_storage().nbytes()))
+        for e in entries:
+            src = sources.get(e.name)
+            if src is None:
+                return f"{e.name}: no source tensor"
+            if src.device != e.dst.device:
+                return f"{e.name}: the source is on {src.device}, the parameter on {e.dst.device} (not resident)"
+            if not src.is_contiguous():
+                return f"{e.name}: the source is not contiguous (copying it would allocate)"
+            if src.dtype != e.dst.dtype and not (allow_cast and src.is_floating_point() and e.dst.is_floating_point()):
+                return f"{e.name}: dtype {src.dtype} != {e.dst.dtype}"
+            lo = src.untyped_storage().data_ptr()
+            hi = lo + src.untyped_storage().nbytes()
+            if any(lo < b and a < hi for a, b in ranges):
+                return f"{e.name}: the source overlaps the model's parameters"
+        return None
+
+    def source_windows(self, entries: list[Entry], sources: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [self._src_view(sources[e.name], e.src_geom) for e in entries]
+
+    def copy(self, entries: list[Entry], sources: dict[str, torch.Tensor]) -> None:
+        """The write: one copy per window (grouped into multi-tensor copies where torch has them)."""
+        dst = self.windows(entries)
+        src = self.source_windows(entries, sources)
+        with torch.no_grad():
+            foreach = getattr(torch, "_foreach_copy_", None)
+            if foreach is not None and dst and dst[0].is_cuda and all(d.dtype == s.dtype for d, s in zip(dst, src)):
+                foreach(dst, src, non_blocking=True)
+            else:
+                for d, s in zip(dst, src):
+                    d.copy_(s, non_blocking=True)

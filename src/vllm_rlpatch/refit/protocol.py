@@ -3,7 +3,7 @@ the expected schema of an update, and the errors.
 
 Everything that crosses a process or host boundary here is plain JSON-able data (names, dtype strings,
 shapes, byte offsets, hex fingerprints): no pickle over the network. Tensor bytes travel separately
-(shared memory, a ``torch.distributed`` broadcast or CUDA IPC; see :mod:`vllm_rlpatch.refit.transports`).
+(shared memory, a ``torch.distributed`` broadcast or CUDA IPC; see :mod:`.shm`, :mod:`.dist`, :mod:`.cuda_ipc`).
 """
 
 from __future__ import annotations
@@ -39,15 +39,20 @@ def dtype_of(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r} (supported: {', '.join(sorted(_DTYPES))})") from None
 
 
+GUARANTEES = ("auto", "rollback", "validate-then-write")
+
+
 class RefitError(RuntimeError):
     """A weight update that did not land.
 
     ``kind``: ``validation`` (bad input, found before anything was written), ``refused`` (asleep, requests
-    running under ``inflight="refuse"``, plugin missing), ``transport`` (bytes did not arrive: a sender that
-    died, a checksum mismatch), ``commit`` (vLLM rejected the weights while loading them).
+    running under ``inflight="refuse"``, no room for the backup a guarantee needs, plugin missing),
+    ``transport`` (bytes did not arrive: a sender that died, a checksum mismatch), ``commit`` (vLLM rejected
+    the weights while loading them, or a post-write check failed), ``fault`` (an injected test fault).
     ``state``: what the engine holds now: ``unchanged`` (nothing was written), ``restored`` (written, then
-    rolled back; the fingerprint of the old weights was verified), ``mixed`` (``direct`` mode: partly
-    written; the engine refuses to generate until a good update lands).
+    rolled back from the ``rollback`` backup, compared with it), ``mixed`` (written part-way with no backup:
+    ``validate-then-write`` or ``direct``; the engine refuses to generate until a good update lands),
+    ``writing`` (a part of a refit session failed after earlier parts were written: abort the session).
     """
 
     def __init__(self, message: str, *, kind: str = "validation", state: str = "unchanged",
@@ -69,7 +74,8 @@ class TensorMeta:
     nbytes: int
     segment: int = 0
     offset: int = 0
-    fingerprint: str | None = None
+    fingerprint: str | None = None  # the bytes' checksum (:class:`vllm_rlpatch.refit.checks.Digest` key)
+    nonfinite: int | None = None  # NaN/inf values the sender counted in the same pass (None: not counted)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,94 +110,22 @@ def assign_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ fingerprints
-_BLOCK = 4096
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw bytes as int32 words (int16/uint8 when the length does not divide): the same bytes
-    give the same words whatever dtype they are viewed as (trainer tensor, shared-memory bytes, parameter)."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    b = t.reshape(-1)
-    b = b.view(torch.uint8) if b.dtype != torch.bool else b.to(torch.uint8)
-    n = b.numel()
-    for size, dt in ((4, torch.int32), (2, torch.int16)):
-        if n % size == 0 and n:
-            try:
-                return b.view(dt)
-            except RuntimeError:  # a view at an unaligned offset
-                return b.clone().view(dt)
-    return b
-
-
-def _fingerprint_parts(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums over the raw bits, in one pass over the data: the plain sum and a sum weighted by
-    4096-word block position (so moved blocks, truncated or stale data change it). Integer arithmetic:
-    identical on CPU and GPU."""
-    w = _words(t)
-    n = w.numel()
-    m = n // _BLOCK
-    tail = w[m * _BLOCK:].sum(dtype=torch.int64)
-    if m:
-        blocks = w[: m * _BLOCK].view(m, _BLOCK).sum(1, dtype=torch.int64)
-        total = blocks.sum() + tail
-        pos = (blocks * torch.arange(1, m + 1, device=w.device, dtype=torch.int64)).sum() + tail * (m + 1)
-    else:
-        total, pos = tail, tail
-    return torch.stack([total, pos])
-
-
-def nonfinite_counts(tensors: list[torch.Tensor]) -> list[int]:
-    """:func:`nonfinite` of many tensors with one device synchronisation (the per-tensor fp32 sums are
-    stacked); only tensors whose sum is not finite are counted element by element."""
-    idx = [i for i, t in enumerate(tensors) if t.is_floating_point() and t.numel()]
-    out = [0] * len(tensors)
-    if not idx:
-        return out
-    by_dev: dict[str, list[int]] = {}
-    for i in idx:
-        by_dev.setdefault(str(tensors[i].device), []).append(i)
-    for dev, ii in by_dev.items():
-        ok = torch.isfinite(torch.stack([tensors[i].sum(dtype=torch.float32) for i in ii])).tolist()
-        for i, good in zip(ii, ok):
-            if not good:
-                out[i] = int((~torch.isfinite(tensors[i])).sum())
-    return out
-
-
-def nonfinite(t: torch.Tensor) -> int:
-    """Number of NaN/inf values (0 for non-float tensors). One fp32 sum per tensor (NaN and inf propagate
-    through it); only a tensor whose sum is not finite is counted element by element."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return 0
-    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
-        return 0
-    n = int((~torch.isfinite(t)).sum())
-    return n if n else 0  # a finite tensor whose fp32 sum overflowed
-
-
 def fingerprints(tensors: Iterable[torch.Tensor]) -> list[str]:
-    """Bit-level fingerprints (hex) of many tensors with one device synchronisation per device."""
-    tensors = list(tensors)
-    parts = [_fingerprint_parts(t) for t in tensors]
-    out: list[str] = []
-    by_dev: dict[str, list[int]] = {}
-    for i, p in enumerate(parts):
-        by_dev.setdefault(str(p.device), []).append(i)
-    vals: dict[int, list[int]] = {}
-    for dev, idx in by_dev.items():
-        stacked = torch.stack([parts[i] for i in idx]).cpu().tolist()
-        for i, v in zip(idx, stacked):
-            vals[i] = v
-    for i, t in enumerate(tensors):
-        a, b = vals[i]
-        out.append(f"{a & 0xFFFFFFFFFFFFFFFF:016x}{b & 0xFFFFFFFFFFFFFFFF:016x}:{t.numel() * t.element_size()}")
-    return out
+    """Checksums of many tensors (:mod:`vllm_rlpatch.refit.checks`: one fused pass, one launch per dtype class
+    on a GPU)."""
+    from vllm_rlpatch.refit import checks
+
+    return checks.keys(tensors)
 
 
 def fingerprint(t: torch.Tensor) -> str:
     return fingerprints([t])[0]
+
+
+def nonfinite_counts(tensors: list[torch.Tensor]) -> list[int]:
+    from vllm_rlpatch.refit import checks
+
+    return [d.nonfinite for d in checks.digests(tensors)]
 
 
 def combine(fps: Iterable[str]) -> str:

@@ -15,19 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.api import _Target
+from vllm_rlpatch.refit.target import Target, is_engine, resolve
 
 
 def _find_engine(actor: Any, attr: str | None) -> Any:
-    from vllm_rlpatch.refit.api import _is_async_llm
-
     if attr is not None:
         if not hasattr(actor, attr):
             raise P.RefitError(f"the actor has no attribute {attr!r}", kind="validation")
         return getattr(actor, attr)
     found = []
     for name, v in vars(actor).items():
-        if _is_async_llm(v) or (hasattr(v, "collective_rpc") and (hasattr(v, "llm_engine") or hasattr(v, "engine_core"))):
+        if is_engine(v):
             found.append((name, v))
     if len(found) != 1:
         names = ", ".join(n for n, _ in found) or "none"
@@ -39,31 +37,23 @@ def _find_engine(actor: Any, attr: str | None) -> Any:
 def _in_actor_describe(actor: Any, attr: str | None) -> dict[str, Any]:
     import ray
 
-    from vllm_rlpatch.refit.api import resolve
-
     tgt = resolve(_find_engine(actor, attr))
     return {"workers": tgt.describe(), "node": ray.get_runtime_context().get_node_id()}
 
 
 def _in_actor_run(actor: Any, attr: str | None, req: dict[str, Any]) -> dict[str, Any]:
-    from vllm_rlpatch.refit.api import resolve
-
     return resolve(_find_engine(actor, attr)).run(req)
 
 
 def _in_actor_call(actor: Any, attr: str | None, method: str) -> list:
-    from vllm_rlpatch.refit.api import resolve
-
     return resolve(_find_engine(actor, attr)).call(method)
 
 
 def _in_actor_version(actor: Any, attr: str | None) -> int:
-    from vllm_rlpatch.refit.api import resolve
-
     return resolve(_find_engine(actor, attr)).version()
 
 
-class RayTarget(_Target):
+class RayTarget(Target):
     kind = "ray"
 
     def __init__(self, handle: Any, engine_attr: str | None = None):
@@ -115,5 +105,5 @@ class RayTarget(_Target):
     def version(self) -> int:
         return int(self._call(_in_actor_version))
 
-    def call(self, method: str) -> list:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         return self._call(_in_actor_call, method)

@@ -1,0 +1,284 @@
+"""Verification of an update's bytes in one pass: a sum checksum and the count of non-finite values.
+
+A :class:`Digest` of a tensor's bytes (viewed as little-endian int32 words; a tail of 1-3 bytes is one more
+word, zero-padded) is
+
+* ``s``: the sum of the words modulo 2**32;
+* ``p``: the sum over 16 KiB blocks of (block index + 1) x (the block's word sum), modulo 2**32: moved,
+  truncated or stale blocks change it;
+* ``nonfinite``: how many elements are NaN or infinite (floating dtypes; from the exponent bits);
+* ``nbytes``.
+
+Integer sums modulo 2**32 do not depend on the order of the additions, so every implementation gives the same
+digest: the GPU kernel (Triton: one launch per dtype class over *all* tensors of an update, a pointer table
+and a work list of 16 KiB blocks, three atomic adds per block), the torch reduction (CPU, or a GPU without
+Triton), and :func:`pack_and_digest`, which copies tensors into a byte buffer (the ``shm`` transport's
+segments) chunk by chunk and digests each chunk while it is still in the cache (one trip through memory
+instead of three: copy, checksum, finite check).
+
+The checksum detects corrupt, truncated, stale or misplaced bytes, not an adversary. "Unchanged" in the tests
+is ``torch.equal`` against a copy, never a checksum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Iterable, Sequence
+
+import torch
+
+BLOCK_WORDS = 4096  # 16 KiB per checksum block
+_MASK32 = 0xFFFFFFFF
+# exponent masks of the floating formats whose non-finite values the kernel reads from the bits
+_HALF_MASKS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+_WORD_MASKS = {torch.float32: 0x7F800000}
+
+
+@dataclasses.dataclass(frozen=True)
+class Digest:
+    s: int
+    p: int
+    nonfinite: int
+    nbytes: int
+
+    @property
+    def key(self) -> str:
+        """The checksum as one string (what crosses process boundaries and is compared)."""
+        return f"{self.s & _MASK32:08x}{self.p & _MASK32:08x}:{self.nbytes}"
+
+    def same_bytes(self, other: "Digest") -> bool:
+        return self.key == other.key
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    b = t.reshape(-1)
+    return b.view(torch.uint8) if b.dtype != torch.bool else b.to(torch.uint8)
+
+
+def _words(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(int32 view of the whole words, the zero-padded tail word or None)."""
+    n = b.numel()
+    nw = n // 4
+    head = b[: nw * 4]
+    try:
+        w = head.view(torch.int32)
+    except RuntimeError:  # a view at an offset that is not 4-byte aligned
+        w = head.clone().view(torch.int32)
+    tail = None
+    if n % 4:
+        pad = torch.zeros(4, dtype=torch.uint8, device=b.device)
+        pad[: n % 4] = b[nw * 4:]
+        tail = pad.view(torch.int32)
+    return w, tail
+
+
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """0-dim int64 tensor: NaN/inf elements of ``t`` (0 for non-float dtypes). One min/max reduction (NaN
+    propagates through both, an infinity is the min or the max; ~30 GB/s on two CPU cores for bf16, unlike a
+    float32 sum that converts every element); the elements are counted only when it finds one."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    lo, hi = torch.aminmax(t.reshape(-1))
+    if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    return (~torch.isfinite(t)).sum()
+
+
+def _sums_torch(b: torch.Tensor, block_offset: int = 0) -> tuple[int, int]:
+    """(s, p) of a byte buffer whose first block is block number ``block_offset`` (a multiple of 16 KiB)."""
+    w, tail = _words(b)
+    n = w.numel()
+    m = n // BLOCK_WORDS
+    s = 0
+    p = 0
+    if m:
+        # int32 accumulation wraps modulo 2**32, which is the checksum's arithmetic (and ~20x faster on a CPU
+        # than an int64 accumulation); the m block sums are then small work
+        blocks = w[: m * BLOCK_WORDS].view(m, BLOCK_WORDS).sum(1, dtype=torch.int32).to(torch.int64) & _MASK32
+        idx = torch.arange(block_offset + 1, block_offset + m + 1, device=w.device, dtype=torch.int64)
+        pair = torch.stack([blocks.sum(), (blocks * idx).sum()]).tolist()
+        s, p = pair
+    rest = w[m * BLOCK_WORDS:].sum(dtype=torch.int64)
+    if tail is not None:
+        rest = rest + tail.to(torch.int64).sum()
+    r = int(rest) & _MASK32
+    s += r
+    p += r * (block_offset + m + 1)
+    return s & _MASK32, p & _MASK32
+
+
+def digest_torch(t: torch.Tensor) -> Digest:
+    b = _bytes_of(t)
+    s, p = _sums_torch(b)
+    return Digest(s, p, int(_nonfinite(t)), b.numel())
+
+
+# ------------------------------------------------------------------------------------------ Triton (GPU)
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def digest_kernel(ptrs, nwords, work_t, work_b, out, MODE: tl.constexpr, MASK: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        ti = tl.load(work_t + pid)
+        bi = tl.load(work_b + pid)
+        base = tl.load(ptrs + ti).to(tl.pointer_type(tl.int32))
+        n = tl.load(nwords + ti)
+        offs = bi.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        w = tl.load(base + offs, mask=m, other=0)
+        s = tl.sum(w, axis=0)
+        if MODE == 1:  # two 16-bit floats per word
+            lo = w & MASK
+            hi = (w >> 16) & MASK
+            bad = tl.sum((lo == MASK).to(tl.int32), axis=0) + tl.sum((hi == MASK).to(tl.int32), axis=0)
+        elif MODE == 2:  # one 32-bit float per word
+            bad = tl.sum(((w & MASK) == MASK).to(tl.int32), axis=0)
+        else:
+            bad = s * 0
+        tl.atomic_add(out + ti * 3 + 0, s)
+        tl.atomic_add(out + ti * 3 + 1, s * (bi + 1))
+        tl.atomic_add(out + ti * 3 + 2, bad)
+
+    return digest_kernel
+
+
+_WORK_LOCK = threading.Lock()
+_WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _worklist(nwords: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tensor index, block index) of every 16 KiB block, on the device; cached per shape list."""
+    key = (nwords, str(device))
+    with _WORK_LOCK:
+        hit = _WORK.get(key)
+        if hit is not None:
+            return hit
+        counts = torch.tensor([(n + BLOCK_WORDS - 1) // BLOCK_WORDS for n in nwords], dtype=torch.int64,
+                              device=device)
+        t_idx = torch.repeat_interleave(torch.arange(len(nwords), device=device, dtype=torch.int32), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        b_idx = (torch.arange(int(counts.sum()), device=device, dtype=torch.int64)
+                 - torch.repeat_interleave(starts, counts)).to(torch.int32)
+        if len(_WORK) > 16:
+            _WORK.clear()
+        _WORK[key] = (t_idx, b_idx)
+        return t_idx, b_idx
+
+
+def _mode_of(dtype: torch.dtype) -> tuple[int, int]:
+    if dtype in _HALF_MASKS:
+        return 1, _HALF_MASKS[dtype]
+    if dtype in _WORD_MASKS:
+        return 2, _WORD_MASKS[dtype]
+    return 0, 0
+
+
+def _kernel_ok(t: torch.Tensor) -> bool:
+    return (t.is_cuda and t.is_contiguous() and t.numel() > 0 and (t.numel() * t.element_size()) % 4 == 0
+            and t.data_ptr() % 4 == 0 and (t.dtype in _HALF_MASKS or t.dtype in _WORD_MASKS
+                                           or not t.is_floating_point()))
+
+
+def _digest_kernel(tensors: Sequence[torch.Tensor]) -> list[Digest]:
+    """All tensors (same device, kernel-compatible) in one launch per dtype class."""
+    kern = _kernel()
+    assert kern is not None
+    dev = tensors[0].device
+    out: list[Digest | None] = [None] * len(tensors)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(_mode_of(t.dtype), []).append(i)
+    results = []
+    for (mode, mask), idx in groups.items():
+        nwords = tuple(tensors[i].numel() * tensors[i].element_size() // 4 for i in idx)
+        ptrs = torch.tensor([tensors[i].data_ptr() for i in idx], dtype=torch.int64, device=dev)
+        nw = torch.tensor(nwords, dtype=torch.int64, device=dev)
+        t_idx, b_idx = _worklist(nwords, dev)
+        acc = torch.zeros(len(idx) * 3, dtype=torch.int32, device=dev)
+        kern[(t_idx.numel(),)](ptrs, nw, t_idx, b_idx, acc, MODE=mode, MASK=mask, BLOCK=BLOCK_WORDS,
+                               num_warps=8)
+        results.append((idx, acc))
+    for idx, acc in results:  # one device synchronisation per dtype class
+        vals = acc.view(-1, 3).tolist()
+        for i, (s, p, bad) in zip(idx, vals):
+            t = tensors[i]
+            out[i] = Digest(s & _MASK32, p & _MASK32, int(bad), t.numel() * t.element_size())
+    return out  # type: ignore[return-value]
+
+
+def kernel_available(device: torch.device | str | None = None) -> bool:
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type != "cuda":
+        return False
+    return torch.cuda.is_available() and _kernel() is not None
+
+
+# ------------------------------------------------------------------------------------------ public
+def digests(tensors: Iterable[torch.Tensor]) -> list[Digest]:
+    """The digest of every tensor: CUDA tensors through the kernel (one launch per dtype class and device),
+    the rest through torch reductions."""
+    tensors = list(tensors)
+    out: list[Digest | None] = [None] * len(tensors)
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if _kernel_ok(t) and kernel_available(t.device):
+            by_dev.setdefault(t.device, []).append(i)
+        else:
+            out[i] = digest_torch(t)
+    for dev, idx in by_dev.items():
+        for i, d in zip(idx, _digest_kernel([tensors[i] for i in idx])):
+            out[i] = d
+    return out  # type: ignore[return-value]
+
+
+def digest(t: torch.Tensor) -> Digest:
+    return digests([t])[0]
+
+
+def keys(tensors: Iterable[torch.Tensor]) -> list[str]:
+    return [d.key for d in digests(tensors)]
+
+
+PACK_CHUNK = 4 << 20  # bytes: a multiple of the 16 KiB block, small enough to stay in the cache
+
+
+def pack_and_digest(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *, check: bool = True) -> list[Digest | None]:
+    """Copy each ``(source tensor, destination uint8 slice)`` and digest the destination in the same trip:
+    chunk by chunk, each chunk's checksum and finite check read it while it is still in the cache.
+    ``check=False``: copy only (digests are None)."""
+    out: list[Digest | None] = []
+    with torch.no_grad():
+        for src, dst in pairs:
+            sb = _bytes_of(src)
+            n = sb.numel()
+            if not check:
+                dst[:n].copy_(sb)
+                out.append(None)
+                continue
+            s = p = 0
+            bad = torch.zeros((), dtype=torch.int64)
+            fp = src.is_floating_point()
+            step = max(PACK_CHUNK - PACK_CHUNK % (BLOCK_WORDS * 4), BLOCK_WORDS * 4)
+            for off in range(0, n, step):
+                end = min(off + step, n)
+                d = dst[off:end]
+                d.copy_(sb[off:end])
+                cs, cp = _sums_torch(d, off // (BLOCK_WORDS * 4))
+                s += cs
+                p += cp
+                if fp:  # chunk bounds are multiples of 16 KiB: whole elements
+                    bad += _nonfinite(d.view(src.dtype))
+            out.append(Digest(s & _MASK32, p & _MASK32, int(bad), n))
+    return out

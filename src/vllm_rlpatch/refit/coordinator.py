@@ -1,0 +1,172 @@
+"""The coordinator of one update: the worker RPCs in order, in the process that owns the engine's front end.
+
+Written once, as generators that yield ``(method, args, kwargs)`` worker RPCs and receive their per-worker
+results (:func:`coordinate` for a whole update, :func:`coordinate_part` / :func:`coordinate_finish` /
+:func:`coordinate_abort` for the parts of a session), driven synchronously (``LLM.collective_rpc``) by
+:func:`run_sync` or asynchronously (``AsyncLLM.collective_rpc``) by :func:`run_async`.
+
+Every rank prepares before any rank writes (``validate-then-write`` needs it; a refusal anywhere leaves every
+rank unchanged). If a rank fails while writing, the others are aborted: ranks with a backup restore it, ranks
+without one are ``mixed``; the outcome is the worst of them. The front end then refuses requests while the
+engine is mixed (:mod:`vllm_rlpatch.hooks.mixed`, from the results' data).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Generator
+
+from vllm_rlpatch.hooks import mixed
+
+Rpc = tuple[str, tuple, dict]
+PREPARE, COMMIT, ABORT, RELEASE = ("rlpatch_refit_prepare", "rlpatch_refit_commit", "rlpatch_refit_abort",
+                                   "rlpatch_refit_release")
+_STATE_ORDER = ("unchanged", "restored", "mixed")
+
+
+def _worst(states) -> str:
+    worst = "unchanged"
+    for s in states:
+        if s in _STATE_ORDER and _STATE_ORDER.index(s) > _STATE_ORDER.index(worst):
+            worst = s
+    return worst
+
+
+def _failure(results: list, bad: list, **extra) -> dict[str, Any]:
+    r0 = bad[0]
+    return {"ok": False, "kind": r0.get("kind", "commit"), "message": r0.get("message"),
+            "problems": r0.get("problems", []), **extra}
+
+
+def coordinate(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
+    """A whole update (one part, final)."""
+    t0 = time.perf_counter()
+    rpc_kw = {"inflight": req.get("inflight")}
+    if req.get("workers") == 1 and req.get("mode") == "direct":
+        # one worker, nothing to agree on across ranks: prepare and commit in a single round trip
+        res = yield (COMMIT, (req["txid"],), {"version": req.get("version"), "release": True, "request": req, **rpc_kw})
+        out: dict[str, Any] = {"workers": res, "seconds_commit": time.perf_counter() - t0}
+        bad = [r for r in res if not r.get("ok")]
+        if not bad:
+            out.update(ok=True, state="committed", version=max((r.get("version") or 0) for r in res))
+            return out
+        out.update(_failure(res, bad), state=_worst(r.get("state") for r in bad))
+        return out
+    prep = yield (PREPARE, (req,), dict(rpc_kw))
+    t_prep = time.perf_counter() - t0
+    bad = [r for r in prep if not r.get("ok")]
+    if bad:
+        yield (ABORT, (req["txid"],), {})
+        return {**_failure(prep, bad), "state": "unchanged", "workers": prep, "seconds_prepare": t_prep}
+    n = len(prep)
+    t1 = time.perf_counter()
+    res = yield (COMMIT, (req["txid"],), {"version": req.get("version"), "release": n == 1, **rpc_kw})
+    out = {"workers_prepare": prep, "workers": res, "seconds_prepare": t_prep,
+           "seconds_commit": time.perf_counter() - t1}
+    failed = [r for r in res if not r.get("ok")]
+    if not failed:
+        if n > 1:
+            yield (RELEASE, (req["txid"],), {})
+        out.update(ok=True, state="committed", version=max((r.get("version") or 0) for r in res))
+        return out
+    states = [r.get("state") for r in failed]
+    if n > 1:
+        rb = yield (ABORT, (req["txid"],), {})
+        out["workers_abort"] = rb
+        states += [r.get("state") for r in rb]
+    out.update(_failure(res, failed), state=_worst(states))
+    return out
+
+
+def coordinate_part(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
+    """One part of a session: every rank prepares it, then every rank writes it (no version bump)."""
+    rpc_kw = {"inflight": req.get("inflight")}
+    prep = yield (PREPARE, (req,), dict(rpc_kw))
+    bad = [r for r in prep if not r.get("ok")]
+    if bad:
+        return {**_failure(prep, bad), "state": _worst(r.get("state") for r in bad), "workers": prep}
+    res = yield (COMMIT, (req["txid"],), {"release": False, "final": False, **rpc_kw})
+    bad = [r for r in res if not r.get("ok")]
+    if bad:
+        return {**_failure(res, bad), "state": _worst(r.get("state") for r in bad), "workers": res,
+                "workers_prepare": prep}
+    return {"ok": True, "state": "writing", "workers": res, "workers_prepare": prep}
+
+
+def coordinate_finish(txid: str, version: int | None, inflight: str | None) -> Generator[Rpc, list, dict[str, Any]]:
+    """The end of a session: every rank finishes (post-write checks, the layerwise reload's close) and bumps
+    the version once; a rank that fails makes the others abort."""
+    res = yield (COMMIT, (txid,), {"version": version, "release": False, "final": True, "inflight": inflight})
+    failed = [r for r in res if not r.get("ok")]
+    if not failed:
+        yield (RELEASE, (txid,), {})
+        return {"ok": True, "state": "committed", "workers": res, "version": max((r.get("version") or 0) for r in res)}
+    rb = yield (ABORT, (txid,), {})
+    return {**_failure(res, failed), "state": _worst([r.get("state") for r in failed] + [r.get("state") for r in rb]),
+            "workers": res, "workers_abort": rb}
+
+
+def coordinate_abort(txid: str) -> Generator[Rpc, list, dict[str, Any]]:
+    rb = yield (ABORT, (txid,), {})
+    state = _worst(r.get("state") for r in rb)
+    return {"ok": state != "mixed", "state": state, "workers": rb,
+            "message": next((r.get("message") for r in rb if r.get("message")), "")}
+
+
+def run_sync(gen: Generator, rpc: Callable[[str, tuple, dict], list]) -> Any:
+    try:
+        call = next(gen)
+        while True:
+            method, args, kwargs = call
+            call = gen.send(rpc(method, args, kwargs))
+    except StopIteration as stop:
+        return stop.value
+
+
+async def run_async(gen: Generator, rpc) -> Any:
+    try:
+        call = next(gen)
+        while True:
+            method, args, kwargs = call
+            call = gen.send(await rpc(method, args, kwargs))
+    except StopIteration as stop:
+        return stop.value
+
+
+def finish(front: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """What the front end holds after an update: a committed one clears a mixed state (and counts as an
+    update on this side); a mixed outcome makes the front end refuse requests."""
+    from vllm_rlpatch.hooks import weights
+
+    if out.get("ok") and out.get("state") == "committed":
+        mixed.clear(front)
+        weights.fire(front, "rlpatch_refit", "frontend", version=out.get("version"))
+    elif out.get("state") == "mixed":
+        m = mixed.from_results(out.get("workers_abort") or []) or mixed.from_results(out.get("workers") or []) or \
+            mixed.MixedWeights(out.get("message") or "a weight update failed part-way", (), "refit")
+        mixed.poison(front, m)
+    return out
+
+
+def _unchanged_on_error(e: BaseException) -> dict[str, Any]:
+    from vllm_rlpatch.refit.target import rpc_error_to_refit
+
+    err = rpc_error_to_refit(e, "refit")
+    return {"ok": False, "state": "unchanged", "kind": err.kind, "message": str(err), "problems": []}
+
+
+def coordinate_on(front: Any, req: dict[str, Any], drive: Callable[[Generator], dict],
+                  gen: Generator | None = None) -> dict[str, Any]:
+    try:
+        out = drive(gen if gen is not None else coordinate(req))
+    except Exception as e:  # noqa: BLE001 - an RPC raised (engine-core refusal, dead worker, ...)
+        return _unchanged_on_error(e)
+    return finish(front, out)
+
+
+async def coordinate_on_async(front: Any, req: dict[str, Any], drive, gen: Generator | None = None) -> dict[str, Any]:
+    try:
+        out = await drive(gen if gen is not None else coordinate(req))
+    except Exception as e:  # noqa: BLE001
+        return _unchanged_on_error(e)
+    return finish(front, out)

@@ -1,0 +1,178 @@
+"""The ``dist`` transport: buckets broadcast over a ``torch.distributed`` process group of the update's own.
+
+Sender (trainer side, :class:`DistSender`): hosts a TCPStore, joins a fresh process group with every worker
+(trainer = rank 0; gloo between CPU processes or hosts, NCCL between GPUs) and broadcasts the buckets in order
+from a background thread. It digests its tensors first (one fused pass), so a NaN is refused before anything
+is sent.
+
+Source (worker side, :class:`DistSource`): receives bucket by bucket into this worker's memory. The bytes
+crossed a network: the worker digests what it received and compares (``trusted_digests`` is False).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from vllm_rlpatch.refit import checks
+from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.source import Source
+
+
+def broadcast_opts(root: int = 0):
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    return opts
+
+
+class DistSender:
+    """Rank 0 of a per-update process group; broadcasts the buckets in order from a background thread."""
+
+    kind = "dist"
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]], metas: list[P.TensorMeta], bucket_bytes: int, *,
+                 n_workers: int, host: str, port: int = 0, backend: str = "gloo", timeout_s: float = 120.0,
+                 verify: bool = True, device: torch.device | None = None):
+        import torch.distributed as dist
+
+        self.tensors, self.metas = tensors, metas
+        self.sizes = P.assign_buckets(metas, bucket_bytes)
+        self.backend = backend
+        self.world = n_workers + 1
+        self.txid = uuid.uuid4().hex
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                                 else torch.device("cpu"))
+        self.seconds_fingerprint = 0.0
+        if verify:
+            t1 = time.perf_counter()
+            for m, d in zip(metas, checks.digests([t for _, t in tensors])):
+                m.fingerprint, m.nonfinite = d.key, d.nonfinite
+            self.seconds_fingerprint = time.perf_counter() - t1
+        self.store = dist.TCPStore(host, port, self.world, is_master=True, timeout=self.timeout,
+                                   wait_for_workers=False)
+        self.host, self.port = host, self.store.port
+        self.timeout_s = timeout_s
+        self.error: BaseException | None = None
+        self.sent_buckets = 0
+        self.seconds_send = 0.0
+        self._thread: threading.Thread | None = None
+        self.on_bucket = None  # test hook: called with the bucket index before it is sent
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "dist", "host": self.host, "port": self.port, "world_size": self.world,
+                "backend": self.backend, "timeout_s": self.timeout_s, "segments": list(self.sizes),
+                "txid": self.txid, "rank_base": 1}
+
+    def _bucket(self, seg: int) -> torch.Tensor:
+        buf = torch.empty(self.sizes[seg], dtype=torch.uint8, device=self.device)
+        with torch.no_grad():
+            for (name, t), m in zip(self.tensors, self.metas):
+                if m.segment == seg:
+                    buf[m.offset: m.offset + m.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        return buf
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        try:
+            store = dist.PrefixStore(f"rlpatch/{self.txid}", self.store)
+            if self.backend == "nccl":
+                pg = dist.ProcessGroupNCCL(store, 0, self.world, dist.ProcessGroupNCCL.Options())
+            else:
+                pg = dist.ProcessGroupGloo(store, 0, self.world, self.timeout)
+            for seg in range(len(self.sizes)):
+                if self.on_bucket is not None:
+                    self.on_bucket(seg)
+                pg.broadcast([self._bucket(seg)], broadcast_opts()).wait()
+                self.sent_buckets += 1
+            shutdown = getattr(pg, "shutdown", None)
+            if shutdown is not None:
+                with contextlib.suppress(Exception):
+                    shutdown()
+        except BaseException as e:  # noqa: BLE001 - reported by join()
+            self.error = e
+        self.seconds_send = time.perf_counter() - t0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="rlpatch-dist-send", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+
+class DistSource(Source):
+    """Buckets received from the trainer (rank 0), bucket by bucket, into this worker's memory."""
+
+    def __init__(self, metas, spec: dict[str, Any], rank: int, device: torch.device):
+        self.metas, self.spec, self.rank, self.device = metas, spec, rank, device
+        self.pg = None
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.received = 0
+
+    def open(self) -> None:
+        import torch.distributed as dist
+
+        s = self.spec
+        timeout = datetime.timedelta(seconds=float(s.get("timeout_s", 120)))
+        store = dist.TCPStore(s["host"], int(s["port"]), int(s["world_size"]), is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"rlpatch/{s['txid']}", store)
+        if s.get("backend", "gloo") == "nccl":
+            self.pg = dist.ProcessGroupNCCL(store, self.rank, int(s["world_size"]), dist.ProcessGroupNCCL.Options())
+        else:
+            self.pg = dist.ProcessGroupGloo(store, self.rank, int(s["world_size"]), timeout)
+
+    def _receive(self, seg: int) -> torch.Tensor:
+        size = int(self.spec["segments"][seg])
+        dev = self.device if self.spec.get("backend") == "nccl" else torch.device("cpu")
+        buf = torch.empty(size, dtype=torch.uint8, device=dev)
+        try:
+            self.pg.broadcast([buf], broadcast_opts()).wait()
+        except Exception as e:
+            raise P.RefitError(f"dist transport: bucket {seg + 1}/{len(self.spec['segments'])} did not arrive "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the sender "
+                               "died or the network failed", kind="transport") from e
+        self.received += 1
+        self.extra_host_bytes += size if dev.type == "cpu" else 0
+        return buf
+
+    def receive_all(self) -> None:
+        for seg in range(len(self.spec["segments"])):
+            if seg not in self.buffers:
+                self.buffers[seg] = self._receive(seg)
+
+    def tensors(self):
+        for m in self.metas:
+            if m.segment not in self.buffers:
+                # streaming: buckets arrive in order; drop the ones fully consumed
+                for s in [s for s in self.buffers if s < m.segment and self.streaming]:
+                    del self.buffers[s]
+                self.buffers[m.segment] = self._receive(m.segment)
+            buf = self.buffers[m.segment][m.offset: m.offset + m.nbytes]
+            yield m, buf.view(P.dtype_of(m.dtype)).view(m.shape)
+
+    def close(self) -> None:
+        self.buffers.clear()
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                shutdown = getattr(pg, "shutdown", None) or getattr(pg, "abort", None)
+                if shutdown is not None:
+                    shutdown()
+            except Exception:
+                pass

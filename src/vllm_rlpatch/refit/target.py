@@ -1,0 +1,182 @@
+"""Refit targets: what ``push_weights`` can update, behind one interface.
+
+:class:`Target` is public: ``kind``, ``front`` (the engine object whose requests a mixed-weights state
+refuses, or None in another process), ``same_host()``, ``describe()`` (the workers' schemas), ``run(req)`` (the
+coordinator of one update, where the engine lives), ``call(method)`` and ``version()``. :func:`resolve`
+turns what a user passes (a ``vllm.LLM``, an ``AsyncLLM``, a Ray actor handle, ``"http://host:port"``) into
+one; :class:`HttpTarget` (:mod:`.http`) and :class:`RayTarget` (:mod:`.ray`) live with their transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from vllm_rlpatch.refit import protocol as P
+
+
+class Target:
+    """One engine a refit can update. Subclasses implement the RPCs; the coordinator is the same for all."""
+
+    kind = "?"
+    front: Any = None
+
+    def same_host(self) -> bool:
+        return True
+
+    def describe(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list:
+        raise NotImplementedError
+
+    def version(self) -> int:
+        raise NotImplementedError
+
+    def rpc(self, method: str, args: tuple, kwargs: dict) -> list:
+        """A worker RPC that returns one result per worker (sessions drive the workers through it)."""
+        raise P.RefitError(f"a {self.kind} target does not take raw worker RPCs in this process", kind="validation")
+
+
+def rpc_error_to_refit(e: BaseException, what: str) -> P.RefitError:
+    msg = str(e)
+    if "asleep" in msg or "refused" in msg:
+        return P.RefitError(msg.split("\n")[0], kind="refused")
+    if "has no attribute 'rlpatch_" in msg or "rlpatch_refit" in msg and "AttributeError" in msg:
+        return P.RefitError(f"{what}: the engine's workers have no rlpatch_* methods: vllm-rlpatch is not active in "
+                            "the engine's processes (not installed there, VLLM_PLUGINS excludes 'rlpatch', or "
+                            "VLLM_RLPATCH_ENABLED=0 / VLLM_RLPATCH_WORKER_EXTENSION=0)", kind="refused")
+    return P.RefitError(f"{what}: {type(e).__name__}: {msg}", kind="commit")
+
+
+class LocalTarget(Target):
+    """A ``vllm.LLM``/``LLMEngine`` in this process (synchronous RPCs)."""
+
+    kind = "llm"
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+        self.front = getattr(obj, "llm_engine", obj)
+
+    def rpc(self, method: str, args: tuple, kwargs: dict) -> list:
+        return self.front.collective_rpc(method, args=args, kwargs=kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list:
+        return self.rpc(method, args, kwargs)
+
+    def describe(self) -> list[dict[str, Any]]:
+        try:
+            return self.rpc("rlpatch_refit_describe", (), {})
+        except Exception as e:  # noqa: BLE001
+            raise rpc_error_to_refit(e, "describe") from e
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        from vllm_rlpatch.refit.coordinator import coordinate_on, run_sync
+
+        return coordinate_on(self.front, req, lambda g: run_sync(g, self.rpc))
+
+    def version(self) -> int:
+        return max(int(v) for v in self.rpc("rlpatch_weight_version", (), {}))
+
+
+class AsyncTarget(Target):
+    """A ``vllm.v1.engine.async_llm.AsyncLLM``: RPCs are coroutines on its event loop."""
+
+    kind = "async_llm"
+
+    def __init__(self, obj: Any):
+        self.obj = self.front = obj
+
+    async def rpc_async(self, method: str, args: tuple, kwargs: dict) -> list:
+        return await self.obj.collective_rpc(method, args=args, kwargs=kwargs)
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        for attr in ("output_handler", "_output_handler"):
+            task = getattr(self.obj, attr, None)
+            if task is not None and hasattr(task, "get_loop"):
+                return task.get_loop()
+        loop = getattr(self.obj, "_rlpatch_loop", None)
+        if loop is not None:
+            return loop
+        raise P.RefitError("push_weights(AsyncLLM) from synchronous code needs the engine's event loop; none found "
+                           "(it starts with the first request). Call `await push_weights_async(...)` from the "
+                           "engine's loop instead", kind="validation")
+
+    def sync(self, coro):
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        loop = self._loop()
+        if running is loop:
+            coro.close()
+            raise P.RefitError("push_weights() called on the AsyncLLM's own event loop would block it: use "
+                               "`await vllm_rlpatch.refit.push_weights_async(...)`", kind="validation")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def rpc(self, method: str, args: tuple, kwargs: dict) -> list:
+        return self.sync(self.rpc_async(method, args, kwargs))
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list:
+        return self.rpc(method, args, kwargs)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return self.sync(self.describe_async())
+
+    async def describe_async(self) -> list[dict[str, Any]]:
+        try:
+            return await self.rpc_async("rlpatch_refit_describe", (), {})
+        except Exception as e:  # noqa: BLE001
+            raise rpc_error_to_refit(e, "describe") from e
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        return self.sync(self.run_async(req))
+
+    async def run_async(self, req: dict[str, Any]) -> dict[str, Any]:
+        from vllm_rlpatch.refit.coordinator import coordinate_on_async, run_async
+
+        return await coordinate_on_async(self.front, req, lambda g: run_async(g, self.rpc_async))
+
+    def version(self) -> int:
+        return self.sync(self.version_async())
+
+    async def version_async(self) -> int:
+        return max(int(v) for v in await self.rpc_async("rlpatch_weight_version", (), {}))
+
+
+def is_async_llm(obj: Any) -> bool:
+    return type(obj).__name__ in ("AsyncLLM", "AsyncLLMEngine") and hasattr(obj, "collective_rpc")
+
+
+def is_ray_handle(obj: Any) -> bool:
+    return type(obj).__name__ == "ActorHandle" and type(obj).__module__.startswith("ray")
+
+
+def is_engine(obj: Any) -> bool:
+    return is_async_llm(obj) or (hasattr(obj, "collective_rpc") and (hasattr(obj, "llm_engine")
+                                                                      or hasattr(obj, "engine_core")))
+
+
+def resolve(target: Any) -> Target:
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, str):
+        if target.startswith(("http://", "https://")):
+            from vllm_rlpatch.refit.http import HttpTarget
+
+            return HttpTarget(target)
+        raise P.RefitError(f"target {target!r}: a string target must be the base URL of `vllm serve` "
+                           "(http://host:port)", kind="validation")
+    if is_ray_handle(target):
+        from vllm_rlpatch.refit.ray import RayTarget
+
+        return RayTarget(target)
+    if is_async_llm(target):
+        return AsyncTarget(target)
+    if is_engine(target):
+        return LocalTarget(target)
+    raise P.RefitError(f"unsupported target {type(target).__name__}: pass a vllm.LLM, an AsyncLLM, a Ray actor "
+                       "handle hosting one, or the base URL of `vllm serve`", kind="validation")

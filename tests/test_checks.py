@@ -1,0 +1,57 @@
+"""The fused checksum + finite check (vllm_rlpatch.refit.checks) against a plain-Python definition."""
+
+import random
+
+import pytest
+import torch
+
+from vllm_rlpatch.refit import checks as C
+
+
+def _reference(data: bytes) -> tuple[int, int]:
+    """The definition: int32 little-endian words (a 1-3 byte tail zero-padded), s = sum mod 2**32,
+    p = sum over 16 KiB blocks of (block index + 1) x block sum, mod 2**32."""
+    words = [int.from_bytes(data[i:i + 4].ljust(4, b"\0"), "little", signed=True) for i in range(0, len(data), 4)]
+    s = sum(words) & 0xFFFFFFFF
+    p = sum((i // C.BLOCK_WORDS + 1) * w for i, w in enumerate(words)) & 0xFFFFFFFF
+    return s, p
+
+
+@pytest.mark.parametrize("nbytes", [1, 6, 4 * C.BLOCK_WORDS, 4 * C.BLOCK_WORDS * 3 + 10])
+def test_digest_is_the_definition(nbytes):
+    rnd = random.Random(nbytes)
+    data = bytes(rnd.getrandbits(8) for _ in range(nbytes))
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    d = C.digest_torch(t)
+    assert (d.s, d.p) == _reference(data) and d.nbytes == nbytes and d.nonfinite == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
+def test_pack_and_digest_copies_and_digests_in_one_pass(dtype):
+    t = (torch.randn(3000, 701) * 3).to(dtype) if dtype.is_floating_point else torch.randint(-9, 9, (3000, 701))
+    buf = torch.zeros(t.numel() * t.element_size() + 128, dtype=torch.uint8)
+    (d,) = C.pack_and_digest([(t, buf[64:])])
+    assert torch.equal(buf[64:64 + d.nbytes], t.reshape(-1).view(torch.uint8))
+    assert d == C.digest_torch(t)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_values_are_counted(dtype, bad):
+    t = torch.randn(50_000).to(dtype)
+    t[[7, 40_000]] = bad
+    assert C.digest_torch(t).nonfinite == 2
+    buf = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
+    assert C.pack_and_digest([(t, buf)])[0].nonfinite == 2
+
+
+def test_moved_blocks_change_the_checksum_not_only_the_sum():
+    t = torch.randn(C.BLOCK_WORDS * 4).to(torch.bfloat16)
+    swapped = t.view(-1, C.BLOCK_WORDS * 2).flip(0).reshape(-1).clone()
+    a, b = C.digest_torch(t), C.digest_torch(swapped)
+    assert a.s == b.s and a.p != b.p and a.key != b.key
+
+
+def test_the_same_bytes_viewed_as_another_dtype_have_the_same_key():
+    t = torch.randn(1234).to(torch.bfloat16)
+    assert C.digest_torch(t).key == C.digest_torch(t.view(torch.int16)).key == C.digest_torch(t.view(torch.uint8)).key
