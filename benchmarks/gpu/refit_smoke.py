@@ -69,7 +69,9 @@ def run_engine(res, key, base, weights, **engine):
         try:
             rep = push_weights(llm, state(weights[name], "cuda"), transport=transport, mode=mode)
             outs = greedy(llm, vllm)
-            r[f"{name}_{transport}_{mode}"] = {"ok": True, "seconds": rep.seconds, "path": rep.workers[0].get("path"),
+            r[f"{name}_{transport}_{mode}"] = {"ok": True, "seconds": rep.seconds, "path": rep.path,
+                                               "guarantee": rep.guarantee, "backup": rep.backup,
+                                               "post_check": rep.post_check,
                                                "plan": rep.workers[0].get("plan"), "checks": rep.checks,
                                                "stages": rep.stages, "version": rep.version,
                                                "spans": outs[0]["spans"], "vs_ref": vs_reference(outs, weights[name])}
@@ -91,7 +93,7 @@ def run_engine(res, key, base, weights, **engine):
         torch.cuda.synchronize()
         rep = push_weights(llm, layout, mode="direct")
         outs = greedy(llm, vllm)
-        r["layout_B"] = {"ok": True, "seconds": rep.seconds, "path": rep.workers[0].get("path"),
+        r["layout_B"] = {"ok": True, "seconds": rep.seconds, "path": rep.path, "guarantee": rep.guarantee,
                          "transport": rep.transport, "vs_ref": vs_reference(outs, weights["B"])}
     except RefitError as e:
         r["layout_B"] = {"ok": False, "kind": e.kind, "message": str(e)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from typing import Any, Callable
 
 from vllm_rlpatch import _wrapping
@@ -67,6 +68,26 @@ def remove(name: str) -> None:
         if not _BEFORE and not _AFTER:
             for lz in _LAZY:
                 lz.revert()
+
+
+# Workers whose weights a level-2 sleep discarded: after waking, their weight memory holds no valid weights
+# until a complete update lands (nothing to roll back to). Set by whoever wraps ``sleep`` (refit_guard),
+# read by the refit transaction, cleared by a complete update.
+_DISCARDED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def set_discarded(worker: Any, discarded: bool) -> None:
+    try:
+        (_DISCARDED.add if discarded else _DISCARDED.discard)(worker)
+    except TypeError:
+        pass
+
+
+def weights_discarded(worker: Any) -> bool:
+    try:
+        return worker in _DISCARDED
+    except TypeError:
+        return False
 
 
 def registered() -> dict[str, list[str]]:

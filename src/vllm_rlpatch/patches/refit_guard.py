@@ -67,6 +67,9 @@ def refuse_if_asleep(worker: Any, what: str) -> None:
 def _sleep_wrapper(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     object.__setattr__(instance, "_rlpatch_weights_asleep", True)
+    level = kwargs.get("level", args[0] if args else 1)
+    if isinstance(level, int) and level >= 2:  # the weights are discarded, not offloaded
+        wake.set_discarded(instance, True)
     return result
 
 

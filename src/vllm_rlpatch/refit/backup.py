@@ -75,15 +75,23 @@ class BackupArena:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.kind == "pinned")
 
-    def reserve(self, nbytes: int) -> None:
-        """Make sure ``nbytes`` (plus per-slot alignment) fit; allocates the missing chunks now (before the
-        update writes anything), so a failure to allocate leaves the weights untouched."""
+    def reserve(self, nbytes: int, slots: int = 1) -> None:
+        """Make sure ``slots`` slots of ``nbytes`` in all fit, carved in order; allocates now (before the update
+        writes anything), so a failure to allocate leaves the weights untouched. The arena is one chunk (a slot
+        never straddles two), replaced by a larger one when it is too small."""
+        need = nbytes + slots * _ALIGN
         with self._lock:
-            need = nbytes - self.capacity
-            while need > 0:
-                size = max(CHUNK_BYTES, min(need, 1 << 30))
-                self.chunks.append(self._new_chunk(size))
-                need -= size
+            if self.chunks and self.chunks[0].numel() >= need:
+                return
+            self.chunks = []
+            if self.kind == "device":
+                torch.cuda.empty_cache()
+            self.chunks.append(self._new_chunk(max(need, CHUNK_BYTES)))
+
+    def grow(self, nbytes: int) -> None:
+        """One more chunk for ``nbytes`` (a later part of a session: the earlier parts' slots stay)."""
+        with self._lock:
+            self.chunks.append(self._new_chunk(max(nbytes + _ALIGN, CHUNK_BYTES)))
 
     def begin(self) -> None:
         self._cursor = (0, 0)
@@ -253,6 +261,14 @@ class StateBackup:
                         cuda_dev = d.device
         if cuda_dev is not None:
             torch.cuda.synchronize(cuda_dev)
+
+
+def state_count(model) -> int:
+    seen = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if not t.is_meta:
+            seen.add(id(t))
+    return len(seen)
 
 
 def state_bytes(model) -> int:

@@ -30,6 +30,7 @@ from typing import Iterable, Sequence
 import torch
 
 BLOCK_WORDS = 4096  # 16 KiB per checksum block
+GROUP = 8  # checksum blocks per kernel program (128 KiB): fewer programs and atomics
 _MASK32 = 0xFFFFFFFF
 # exponent masks of the floating formats whose non-finite values the kernel reads from the bits
 _HALF_MASKS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
@@ -83,7 +84,13 @@ def _nonfinite(t: torch.Tensor) -> torch.Tensor:
     float32 sum that converts every element); the elements are counted only when it finds one."""
     if not t.is_floating_point() or t.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=t.device)
-    lo, hi = torch.aminmax(t.reshape(-1))
+    try:
+        lo, hi = torch.aminmax(t.reshape(-1))
+    except (RuntimeError, NotImplementedError):  # a dtype without min/max kernels here (fp8): widen in chunks
+        flat = t.reshape(-1)
+        step = 1 << 24
+        return sum(((~torch.isfinite(flat[i:i + step].to(torch.float16))).sum() for i in range(0, flat.numel(), step)),
+                   torch.zeros((), dtype=torch.int64, device=t.device))
     if bool(torch.isfinite(lo) & torch.isfinite(hi)):
         return torch.zeros((), dtype=torch.int64, device=t.device)
     return (~torch.isfinite(t)).sum()
@@ -129,27 +136,34 @@ def _kernel():
 
     @triton.jit
     def digest_kernel(ptrs, nwords, work_t, work_b, out, MODE: tl.constexpr, MASK: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, GROUP: tl.constexpr):
+        # one program: GROUP consecutive checksum blocks of one tensor, three atomic adds in all
         pid = tl.program_id(0)
         ti = tl.load(work_t + pid)
-        bi = tl.load(work_b + pid)
+        b0 = tl.load(work_b + pid).to(tl.int64)
         base = tl.load(ptrs + ti).to(tl.pointer_type(tl.int32))
         n = tl.load(nwords + ti)
-        offs = bi.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        w = tl.load(base + offs, mask=m, other=0)
-        s = tl.sum(w, axis=0)
-        if MODE == 1:  # two 16-bit floats per word
-            lo = w & MASK
-            hi = (w >> 16) & MASK
-            bad = tl.sum((lo == MASK).to(tl.int32), axis=0) + tl.sum((hi == MASK).to(tl.int32), axis=0)
-        elif MODE == 2:  # one 32-bit float per word
-            bad = tl.sum(((w & MASK) == MASK).to(tl.int32), axis=0)
-        else:
-            bad = s * 0
-        tl.atomic_add(out + ti * 3 + 0, s)
-        tl.atomic_add(out + ti * 3 + 1, s * (bi + 1))
-        tl.atomic_add(out + ti * 3 + 2, bad)
+        s_acc = 0
+        p_acc = 0
+        bad_acc = 0
+        for k in tl.static_range(GROUP):
+            b = b0 + k
+            offs = b * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            w = tl.load(base + offs, mask=m, other=0)
+            s = tl.sum(w, axis=0)
+            s_acc += s
+            p_acc += s * (b + 1).to(tl.int32)
+            if MODE == 1:  # two 16-bit floats per word
+                lo = w & MASK
+                hi = (w >> 16) & MASK
+                bad_acc += tl.sum((lo == MASK).to(tl.int32), axis=0) + tl.sum((hi == MASK).to(tl.int32), axis=0)
+            elif MODE == 2:  # one 32-bit float per word
+                bad_acc += tl.sum(((w & MASK) == MASK).to(tl.int32), axis=0)
+        tl.atomic_add(out + ti * 3 + 0, s_acc)
+        tl.atomic_add(out + ti * 3 + 1, p_acc)
+        if MODE != 0:
+            tl.atomic_add(out + ti * 3 + 2, bad_acc)
 
     return digest_kernel
 
@@ -159,22 +173,39 @@ _WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _worklist(nwords: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tensor index, block index) of every 16 KiB block, on the device; cached per shape list."""
+    """(tensor index, first block index) of every program (GROUP blocks of one tensor), on the device;
+    cached per shape list."""
     key = (nwords, str(device))
     with _WORK_LOCK:
         hit = _WORK.get(key)
         if hit is not None:
             return hit
-        counts = torch.tensor([(n + BLOCK_WORDS - 1) // BLOCK_WORDS for n in nwords], dtype=torch.int64,
-                              device=device)
+        span = BLOCK_WORDS * GROUP
+        counts = torch.tensor([(n + span - 1) // span for n in nwords], dtype=torch.int64, device=device)
         t_idx = torch.repeat_interleave(torch.arange(len(nwords), device=device, dtype=torch.int32), counts)
         starts = torch.cumsum(counts, 0) - counts
-        b_idx = (torch.arange(int(counts.sum()), device=device, dtype=torch.int64)
-                 - torch.repeat_interleave(starts, counts)).to(torch.int32)
+        b_idx = ((torch.arange(int(counts.sum()), device=device, dtype=torch.int64)
+                  - torch.repeat_interleave(starts, counts)) * GROUP).to(torch.int32)
         if len(_WORK) > 16:
             _WORK.clear()
         _WORK[key] = (t_idx, b_idx)
         return t_idx, b_idx
+
+
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables(ptrs: tuple[int, ...], nwords: tuple[int, ...], device: torch.device):
+    """The pointer and length tables on the device (cached: a trainer's tensors keep their addresses)."""
+    key = (ptrs, nwords, str(device))
+    with _WORK_LOCK:
+        hit = _TABLES.get(key)
+        if hit is None:
+            if len(_TABLES) > 16:
+                _TABLES.clear()
+            hit = _TABLES[key] = (torch.tensor(ptrs, dtype=torch.int64, device=device),
+                                  torch.tensor(nwords, dtype=torch.int64, device=device))
+        return hit
 
 
 def _mode_of(dtype: torch.dtype) -> tuple[int, int]:
@@ -203,12 +234,11 @@ def _digest_kernel(tensors: Sequence[torch.Tensor]) -> list[Digest]:
     results = []
     for (mode, mask), idx in groups.items():
         nwords = tuple(tensors[i].numel() * tensors[i].element_size() // 4 for i in idx)
-        ptrs = torch.tensor([tensors[i].data_ptr() for i in idx], dtype=torch.int64, device=dev)
-        nw = torch.tensor(nwords, dtype=torch.int64, device=dev)
+        ptrs, nw = _tables(tuple(tensors[i].data_ptr() for i in idx), nwords, dev)
         t_idx, b_idx = _worklist(nwords, dev)
         acc = torch.zeros(len(idx) * 3, dtype=torch.int32, device=dev)
         kern[(t_idx.numel(),)](ptrs, nw, t_idx, b_idx, acc, MODE=mode, MASK=mask, BLOCK=BLOCK_WORDS,
-                               num_warps=8)
+                               GROUP=GROUP, num_warps=8)
         results.append((idx, acc))
     for idx, acc in results:  # one device synchronisation per dtype class
         vals = acc.view(-1, 3).tolist()
@@ -222,7 +252,7 @@ def kernel_available(device: torch.device | str | None = None) -> bool:
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type != "cuda":
         return False
-    return torch.cuda.is_available() and _kernel() is not None
+    return _KERNEL_ERROR is None and torch.cuda.is_available() and _kernel() is not None
 
 
 # ------------------------------------------------------------------------------------------ public
@@ -238,9 +268,27 @@ def digests(tensors: Iterable[torch.Tensor]) -> list[Digest]:
         else:
             out[i] = digest_torch(t)
     for dev, idx in by_dev.items():
-        for i, d in zip(idx, _digest_kernel([tensors[i] for i in idx])):
+        try:
+            ds = _digest_kernel([tensors[i] for i in idx])
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build here: the torch reduction instead
+            _disable_kernel(e)
+            ds = [digest_torch(tensors[i]) for i in idx]
+        for i, d in zip(idx, ds):
             out[i] = d
     return out  # type: ignore[return-value]
+
+
+_KERNEL_ERROR: str | None = None
+
+
+def _disable_kernel(e: BaseException) -> None:
+    global _KERNEL_ERROR
+    if _KERNEL_ERROR is None:
+        import logging
+
+        _KERNEL_ERROR = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        logging.getLogger("vllm.rlpatch").warning("vllm-rlpatch: the fused check kernel failed (%s); using torch "
+                                                  "reductions instead", _KERNEL_ERROR)
 
 
 def digest(t: torch.Tensor) -> Digest:

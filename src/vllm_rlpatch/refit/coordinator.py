@@ -42,7 +42,7 @@ def coordinate(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
     """A whole update (one part, final)."""
     t0 = time.perf_counter()
     rpc_kw = {"inflight": req.get("inflight")}
-    if req.get("workers") == 1 and req.get("mode") == "direct":
+    if req.get("workers") == 1:
         # one worker, nothing to agree on across ranks: prepare and commit in a single round trip
         res = yield (COMMIT, (req["txid"],), {"version": req.get("version"), "release": True, "request": req, **rpc_kw})
         out: dict[str, Any] = {"workers": res, "seconds_commit": time.perf_counter() - t0}

@@ -200,7 +200,15 @@ class CopyPlan:
         return [e for e in self.entries if names is None or e.name in names]
 
     def windows(self, entries: list[Entry]) -> list[torch.Tensor]:
-        return [self._dst_view(e.dst, e.dst_geom) for e in entries]
+        """The destination windows (views into the parameters; cached per entry while the plan is live)."""
+        cache = self.__dict__.setdefault("_windows", {})
+        out = []
+        for e in entries:
+            w = cache.get(id(e))
+            if w is None:
+                w = cache[id(e)] = self._dst_view(e.dst, e.dst_geom)
+            out.append(w)
+        return out
 
     def preconditions(self, entries: list[Entry], sources: dict[str, torch.Tensor], allow_cast: bool) -> str | None:
         """What ``validate-then-write`` proves before the first write (None: all hold): every source is
@@ -232,16 +240,19 @@ class CopyPlan:
         return None
 
     def source_windows(self, entries: list[Entry], sources: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        return [self._src_view(sources[e.name], e.src_geom) for e in entries]
+        out = []
+        for e in entries:
+            src = sources[e.name]
+            if e.whole_source and src.is_contiguous() and list(src.shape) == list(e.dst_geom[0]):
+                out.append(src)  # the window takes the whole tensor as it is: no view to build
+            else:
+                out.append(self._src_view(src, e.src_geom))
+        return out
 
     def copy(self, entries: list[Entry], sources: dict[str, torch.Tensor]) -> None:
-        """The write: one copy per window (grouped into multi-tensor copies where torch has them)."""
+        """The write: one ``copy_`` per window (a contiguous same-dtype copy is a device memcpy)."""
         dst = self.windows(entries)
         src = self.source_windows(entries, sources)
         with torch.no_grad():
-            foreach = getattr(torch, "_foreach_copy_", None)
-            if foreach is not None and dst and dst[0].is_cuda and all(d.dtype == s.dtype for d, s in zip(dst, src)):
-                foreach(dst, src, non_blocking=True)
-            else:
-                for d, s in zip(dst, src):
-                    d.copy_(s, non_blocking=True)
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=True)

@@ -120,6 +120,7 @@ class _Tx:
         self.extra_device = 0
         self.fault: str | None = None  # armed by a test (VLLM_RLPATCH_FAULT_INJECTION=1)
         self.post_check: str | None = None
+        self.note: str | None = None
 
     def stage(self, name: str, seconds: float) -> None:
         self.stages[name] = self.stages.get(name, 0.0) + seconds
@@ -305,6 +306,8 @@ class WorkerRefit:
                 arena = self._arena(tx.backup_kind)
                 have = arena.capacity - (tx.windows.bytes if tx.windows is not None else 0)
                 ok, why = B.fits(need, tx.backup_kind, self.device, max(0, have))
+                if ok and have < need:  # a session's parts share one arena: a later part grows it by a chunk
+                    arena.grow(need)
                 if not ok:
                     source.close()
                     return _fail("refused", tx_state_now(tx), f"no room to back up this part ({why}): abort the "
@@ -380,13 +383,25 @@ class WorkerRefit:
         if want == "validate-then-write":
             tx.guarantee = want
             return None
+        from vllm_rlpatch.hooks import wake
+
+        if wake.weights_discarded(self.worker):
+            # after sleep(level=2) the weight memory holds no valid weights: a backup would restore garbage
+            if want == "rollback":
+                return _fail("refused", "unchanged", "guarantee='rollback' needs valid old weights, and a level-2 "
+                             "sleep discarded them: push with guarantee='validate-then-write' (or 'auto')",
+                             tx.stages, tx.checks)
+            tx.guarantee = "validate-then-write"
+            tx.note = "the old weights were discarded by a level-2 sleep: no rollback possible, validated instead"
+            return None
         dev = self.device
+        slots = 1
         if tx.path == "plan":
-            need = sum(e.dst.element_size() * _numel(e.dst_geom[0]) for e in self.plan.entries_for(
-                None if not (tx.session or tx.partial) else {m.name for m in part.metas}))
+            ents = self.plan.entries_for(None if not (tx.session or tx.partial) else {m.name for m in part.metas})
+            need, slots = sum(e.dst.element_size() * _numel(e.dst_geom[0]) for e in ents), len(ents)
             kind = "device" if dev.type == "cuda" else "host"
         else:
-            need = B.state_bytes(self.model)
+            need, slots = B.state_bytes(self.model), B.state_count(self.model)
             kind = B.arena_kind(dev, req.get("backup", "auto"))
             if dev.type == "cuda" and req.get("backup", "auto") == "auto":
                 ok_dev, _ = B.fits(need, "device", dev, self._arena("device").capacity)
@@ -397,7 +412,7 @@ class WorkerRefit:
         ok, why = B.fits(need, kind, dev, arena.capacity)
         if ok:
             try:
-                arena.reserve(need)
+                arena.reserve(need, slots)
             except Exception as e:  # noqa: BLE001 - out of memory while reserving: nothing written
                 ok, why = False, f"reserving {need / 2**30:.2f} GiB of {kind} memory failed: {type(e).__name__}: {e}"
         if ok:
@@ -406,6 +421,17 @@ class WorkerRefit:
         if want == "auto" and tx.path == "plan":
             tx.guarantee = "validate-then-write"
             return None
+        if want == "rollback" and kind == "device":  # asked for explicitly: the pinned host arena, overlapped
+            kind = "pinned"
+            arena = self._arena(kind)
+            ok, why = B.fits(need, kind, dev, arena.capacity)
+            if ok:
+                try:
+                    arena.reserve(need, slots)
+                    tx.guarantee, tx.backup_kind = "rollback", kind
+                    return None
+                except Exception as e:  # noqa: BLE001
+                    why = f"reserving {need / 2**30:.2f} GiB of pinned memory failed: {type(e).__name__}: {e}"
         return _fail("refused", "unchanged", f"no room for the rollback backup ({why}); the {tx.path} path can fail "
                      "part-way, so the update is refused before anything is written. Pass mode='direct' (written "
                      "straight in, mixed on failure) or guarantee='validate-then-write' (no backup, checked before "
@@ -415,7 +441,7 @@ class WorkerRefit:
     def _result(self, tx: _Tx, **kw) -> dict[str, Any]:
         return {"stages": tx.stages, "checks": list(tx.checks), "pid": os.getpid(), "rank": self.rank,
                 "guarantee": tx.guarantee, "path": tx.path, "backup": tx.backup_report(),
-                "post_check": tx.post_check, "plan": self.plan_note, "extra_host_bytes": tx.extra_host,
+                "post_check": tx.post_check, "note": tx.note, "plan": self.plan_note, "extra_host_bytes": tx.extra_host,
                 "extra_device_bytes": tx.extra_device, **kw}
 
     # --------------------------------------------------------------- commit
@@ -475,6 +501,10 @@ class WorkerRefit:
 
         tx.committed = True
         mixed.clear_worker()
+        if not tx.partial:
+            from vllm_rlpatch.hooks import wake
+
+            wake.set_discarded(self.worker, False)  # valid weights again
         ev = weights.fire(self.worker, "rlpatch_refit", "worker", version=version)
         out = self._result(tx, ok=True, state="committed", version=ev.version,
                            findings=findings.as_dict() if findings else None)
@@ -785,8 +815,12 @@ class WorkerRefit:
         if tx.windows is not None:
             tx.windows.drop()
         tx.windows = tx.state_backup = None
-        for a in self.arenas.values():
-            a.release()
+        for kind, a in list(self.arenas.items()):
+            # host arenas stay for the next update; device memory goes back to the trainer at once
+            a.release(keep=kind != "device")
+            if kind == "device" and a.capacity == 0 and self.device.type == "cuda":
+                del self.arenas[kind]
+                torch.cuda.empty_cache()
 
     # --------------------------------------------------------------- layout, fingerprint
     def layout(self) -> dict[str, Any]:

@@ -1,0 +1,288 @@
+"""Weight updates on a full GPU, the default path, in one run (vLLM from the offline bundle, one GPU).
+
+    python benchmarks/gpu/refit_full_gpu.py OUT.json [--shape 8b] [--rounds 5] [--leave-free-gib 10]
+
+1. The fused check kernel (vllm_rlpatch.refit.checks): its digests equal the CPU definition's on odd sizes and
+   dtypes, it counts planted NaN/inf, it is deterministic, and its time over one model-sized buffer against a
+   device copy of the same bytes and torch's int32 block sums.
+2. An engine with a Llama-shaped model (dummy weights) and sleep mode; the trainer's weights (random bf16, same
+   names and shapes) on the same GPU. The first update records the copy plan.
+3. **Full GPU**: the trainer holds the GPU so that less than one model size is free. Interleaved rounds of: a
+   no-op worker RPC, the default ``push_weights(llm, tensors)`` (no room for a backup: ``validate-then-write``),
+   ``mode="direct", verify=False``, and vLLM's own CUDA-IPC transfer (unpacked, packed). The floor is
+   *copy + RPC*: a device copy of the same bytes (measured before the trainer fills the GPU) plus the RPC.
+4. **Room for a backup**: the trainer's extra memory is released; the default call now keeps a device backup
+   (``rollback``).
+5. **The colocated cycle**, at sleep level 1 and 2: sleep, a trainer step (the weights change in place), wake
+   the weights, push, wake the KV cache, generate; the engine must serve the new weights (greedy outputs equal
+   to an ordinary push of the same weights).
+Writes one JSON with every figure; asserts nothing (the figures are read and committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+PROMPTS = ["the quick brown fox 12 jumps over", "the lazy dog 7", "the quick brown fox 99"]
+
+
+def med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def timed(fn, sync=True):
+    import torch
+
+    if sync:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
+def kernel_checks(res, nbytes):
+    import torch
+
+    from vllm_rlpatch.refit import checks
+
+    r = res["kernel"] = {"available": checks.kernel_available("cuda")}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = [((3,), torch.bfloat16), ((4097,), torch.bfloat16), ((1000, 4099), torch.bfloat16),
+             ((123457,), torch.float32), ((77, 13), torch.float16), ((5000,), torch.int64)]
+    agree = []
+    for shape, dt in cases:
+        t = (torch.randn(shape, device="cuda", generator=g) * 3).to(dt) if dt.is_floating_point else \
+            torch.randint(-99, 99, shape, device="cuda", generator=g)
+        a = checks.digests([t])[0]
+        b = checks.digest_torch(t.cpu())
+        agree.append({"shape": list(shape), "dtype": str(dt), "kernel": a.key, "cpu": b.key,
+                      "equal": a.key == b.key and a.nonfinite == b.nonfinite})
+    r["agrees_with_cpu_definition"] = agree
+    t = torch.randn(10_000_019, device="cuda").to(torch.bfloat16)
+    t[[5, 77_777, 9_999_999]] = torch.tensor([float("nan"), float("inf"), -float("inf")], device="cuda").to(t.dtype)
+    r["planted_nonfinite_found"] = checks.digests([t])[0].nonfinite
+    del t
+    buf = torch.randn(nbytes // 2, device="cuda", generator=g).to(torch.bfloat16)
+    dst = torch.empty_like(buf)
+    d1, d2 = checks.digests([buf])[0], checks.digests([buf])[0]
+    r["deterministic"] = d1 == d2
+    xs = {"copy": [], "fused_check": [], "torch_int32_block_sums": []}
+    w = buf.view(torch.int32)
+    m = w.numel() // 4096
+    for _ in range(7):
+        xs["copy"].append(timed(lambda: dst.copy_(buf))[0])
+        xs["fused_check"].append(timed(lambda: checks.digests([buf]))[0])
+        xs["torch_int32_block_sums"].append(timed(lambda: w[: m * 4096].view(m, 4096).sum(1, dtype=torch.int32).sum())[0])
+    r.update({k + "_ms": med(v) * 1e3 for k, v in xs.items()}, gb=nbytes / 1e9, kernel_error=checks._KERNEL_ERROR)
+    del buf, dst, w
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def greedy(llm, vllm):
+    sp = vllm.SamplingParams(temperature=0.0, max_tokens=12)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def push(llm, weights, **kw):
+    from vllm_rlpatch.refit import push_weights
+
+    import torch
+
+    torch.cuda.synchronize()
+    rep = push_weights(llm, weights, **kw)
+    return rep
+
+
+def summary(rep):
+    return {"seconds": rep.seconds, "guarantee": rep.guarantee, "path": rep.path, "backup": rep.backup,
+            "post_check": rep.post_check, "checks": rep.checks, "stages": rep.stages, "state": rep.state,
+            "version": rep.version, "peak_extra_device_bytes": rep.peak_extra_device_bytes}
+
+
+def upstream_round(llm, weights, samples):
+    """vLLM's own CUDA-IPC weight transfer of the same tensors (0.25 API), unpacked and packed."""
+    from dataclasses import asdict
+
+    import torch
+
+    try:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+    except ImportError:
+        return
+    send = lambda info: llm.update_weights({"update_info": asdict(info)})  # noqa: E731
+    for packed in (False, True):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        try:
+            llm.start_weight_update()
+            IPCWeightTransferEngine.trainer_send_weights(iter(weights), {"send_mode": send, "packed": packed})
+            llm.finish_weight_update()
+        except Exception as e:  # noqa: BLE001 - recorded
+            samples.setdefault("upstream_errors", []).append(f"{type(e).__name__}: {str(e)[:200]}")
+            continue
+        torch.cuda.synchronize()
+        samples.setdefault(f"upstream_ipc_{'packed' if packed else 'unpacked'}", []).append(time.perf_counter() - t)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--leave-free-gib", type=float, default=10.0)
+    ap.add_argument("--gpu-util", type=float, default=0.35)
+    args = ap.parse_args()
+
+    import torch
+    import vllm
+
+    from refit_throughput import make_model, trainer_state
+
+    from vllm_rlpatch import status
+
+    res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__,
+           "shape": args.shape, "rounds": args.rounds}
+
+    def save():
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=1, default=str)
+
+    model_dir = tempfile.mkdtemp(prefix="rlpatch-full-")
+    make_model(model_dir, args.shape, None)
+    kw = dict(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=1024, enforce_eager=True,
+              seed=0, gpu_memory_utilization=args.gpu_util, enable_sleep_mode=True,
+              weight_transfer_config={"backend": "ipc"})
+    t0 = time.perf_counter()
+    try:
+        llm = vllm.LLM(**kw)
+    except TypeError:  # a vLLM without the native weight-transfer config
+        kw.pop("weight_transfer_config")
+        llm = vllm.LLM(**kw)
+    res["engine_start_s"] = time.perf_counter() - t0
+    res["patches"] = {s["name"]: s["state"] for s in status()}
+    schema = llm.collective_rpc("rlpatch_refit_describe")[0]["schema"]
+    weights = trainer_state(schema, "cuda")
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    res.update(bytes=nbytes, tensors=len(weights))
+    print(f"[full-gpu] {res['gpu']} vLLM {vllm.__version__} {args.shape}: {nbytes / 1e9:.2f} GB", flush=True)
+    kernel_checks(res, nbytes)
+    save()
+    print(f"[full-gpu] kernel: {json.dumps({k: v for k, v in res['kernel'].items() if k != 'agrees_with_cpu_definition'})}",
+          flush=True)
+
+    # the floor's copy: the same bytes device to device (before the trainer fills the GPU)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    copies = [timed(lambda: flat.copy_(src))[0] for _ in range(7)]
+    del flat, src
+    gc.collect()
+    torch.cuda.empty_cache()
+    res["copy_ms"] = med(copies) * 1e3
+
+    # first update: no plan yet (vLLM's layerwise reload; the backup goes to the pinned host arena)
+    rep = push(llm, weights)
+    res["first_update"] = summary(rep)
+    print(f"[full-gpu] first update {rep.seconds:.2f} s {rep.guarantee}/{rep.path}", flush=True)
+    res["greedy_after_first"] = greedy(llm, vllm)
+    save()
+
+    # the trainer fills the GPU: less than one model size stays free
+    free, total = torch.cuda.mem_get_info()
+    hog_bytes = max(0, int(free - args.leave_free_gib * 2**30))
+    hog = torch.empty(hog_bytes, dtype=torch.uint8, device="cuda")
+    res["full_gpu"] = {"free_gib_before": free / 2**30, "hog_gib": hog_bytes / 2**30,
+                       "free_gib": torch.cuda.mem_get_info()[0] / 2**30, "model_gib": nbytes / 2**30}
+    samples: dict[str, list] = {}
+    reports: dict[str, dict] = {}
+    configs = [("default", {}), ("direct_noverify", {"mode": "direct", "verify": False})]
+    for r in range(args.rounds):
+        samples.setdefault("rpc_noop", []).append(timed(lambda: llm.collective_rpc("rlpatch_ping"), sync=False)[0])
+        for key, kw2 in configs[r % 2:] + configs[:r % 2]:
+            rep = push(llm, weights, **kw2)
+            samples.setdefault(key, []).append(rep.seconds)
+            reports[key] = summary(rep)
+        upstream_round(llm, weights, samples)
+        print(f"[full-gpu] round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in samples.items()
+                                                         if isinstance(v[-1], float)), flush=True)
+    floor = res["copy_ms"] / 1e3 + med(samples["rpc_noop"])
+    res["full_gpu"].update({k + "_ms": med(v) * 1e3 for k, v in samples.items() if v and isinstance(v[0], float)},
+                           reports=reports, samples_s={k: v for k, v in samples.items()},
+                           floor_ms=floor * 1e3, check_ms=res["kernel"]["fused_check_ms"])
+    fg = res["full_gpu"]
+    fg["default_x_floor"] = med(samples["default"]) / floor
+    fg["direct_noverify_x_floor"] = med(samples["direct_noverify"]) / floor
+    fg["default_bound_ms"] = 2 * floor * 1e3 + fg["check_ms"]
+    for up in ("upstream_ipc_unpacked", "upstream_ipc_packed"):
+        if samples.get(up):
+            fg[f"{up}_x_default"] = med(samples[up]) / med(samples["default"])
+            fg[f"{up}_x_direct_noverify"] = med(samples[up]) / med(samples["direct_noverify"])
+    # rollback asked for explicitly on the full GPU: the backup goes to the pinned host arena, overlapped
+    pin = []
+    for _ in range(3):
+        rep = push(llm, weights, guarantee="rollback")
+        pin.append(rep.seconds)
+    fg["rollback_pinned_ms"] = med(pin) * 1e3
+    fg["rollback_pinned_samples_s"] = pin
+    fg["rollback_pinned_report"] = summary(rep)
+    res["greedy_full_gpu"] = greedy(llm, vllm)
+    save()
+    del hog
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    # room for a backup: the default keeps one on the device (rollback)
+    rb = []
+    for _ in range(args.rounds):
+        rep = push(llm, weights)
+        rb.append(rep.seconds)
+    res["with_room"] = {"default_ms": med(rb) * 1e3, "samples_s": rb, "report": summary(rep),
+                        "free_gib": torch.cuda.mem_get_info()[0] / 2**30}
+    save()
+
+    # the colocated cycle
+    cyc = res["colocated"] = {}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for level in (1, 2):
+        c = cyc[f"level{level}"] = {}
+        try:
+            c["sleep_s"] = timed(lambda: llm.sleep(level=level), sync=False)[0]
+            c["free_gib_asleep"] = torch.cuda.mem_get_info()[0] / 2**30
+            with torch.no_grad():  # the trainer's step: every matrix changes a little, in place
+                for _, t in weights:
+                    if t.dim() >= 2:
+                        t.add_(torch.randn(t.shape, device="cuda", generator=g, dtype=t.dtype), alpha=0.01)
+            c["wake_weights_s"] = timed(lambda: llm.wake_up(tags=["weights"]), sync=False)[0]
+            rep = push(llm, weights)
+            c["push"] = summary(rep)
+            c["wake_kv_s"] = timed(lambda: llm.wake_up(tags=["kv_cache"]), sync=False)[0]
+            after = greedy(llm, vllm)
+            rep2 = push(llm, weights, mode="direct")  # the same weights again, awake: the reference
+            c["reference_push"] = summary(rep2)
+            ref = greedy(llm, vllm)
+            c["serves_the_new_weights"] = after == ref
+            c["outputs_changed_by_the_step"] = after != res["greedy_full_gpu"]
+        except Exception as e:  # noqa: BLE001 - recorded
+            c["error"] = f"{type(e).__name__}: {e}"
+        print(f"[full-gpu] colocated level {level}: {json.dumps({k: v for k, v in c.items() if k not in ('push', 'reference_push')})}",
+              flush=True)
+        save()
+    print(json.dumps({k: v for k, v in res["full_gpu"].items() if k not in ("reports", "samples_s")}, indent=1))
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
