@@ -10,7 +10,7 @@ bash "$ROOT/benchmarks/gpu/setup_site.sh" /tmp/chunks || exit 1
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ALLOW_INSECURE_SERIALIZATION=1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 cd "$ROOT"
-timeout ${SMOKE_S:-150} python3 benchmarks/gpu/refit_smoke.py "$OUT/refit_smoke.json" > "$OUT/refit_smoke.log" 2>&1
-echo "smoke rc=$?"; tail -c 1500 "$OUT/refit_smoke.log" | grep -v "^WARNING" | tail -5
 timeout ${FULL_S:-400} python3 benchmarks/gpu/refit_full_gpu.py "$OUT/refit_full_gpu.json" ${FULL_ARGS:-} > "$OUT/refit_full_gpu.log" 2>&1
 echo "full rc=$?"; grep "full-gpu\]" "$OUT/refit_full_gpu.log" | tail -20
+timeout ${SMOKE_S:-220} python3 benchmarks/gpu/refit_smoke.py "$OUT/refit_smoke.json" > "$OUT/refit_smoke.log" 2>&1
+echo "smoke rc=$?"; tail -c 2200 "$OUT/refit_smoke.log" | grep -v "^WARNING" | tail -5

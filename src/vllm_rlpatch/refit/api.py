@@ -139,6 +139,12 @@ def _metas(tensors: list[tuple[str, torch.Tensor]]) -> list[P.TensorMeta]:
 
 
 _SCHEMAS: "weakref.WeakKeyDictionary[Any, P.Schema]" = weakref.WeakKeyDictionary()
+_TEMPLATES: dict[Any, tuple[int, str]] = {}  # per target: (static hash, template key) the engine holds
+
+
+def _tkey(tgt: Target) -> Any:
+    k = _key(tgt)
+    return k if isinstance(k, (str, int)) else id(k)
 _POOLS: dict[Any, ShmPool] = {}  # per target: shared-memory segments reused across its updates
 
 
@@ -220,6 +226,9 @@ class Outgoing:
                     "workers": getattr(schema, "workers", None), "session": session, "tensors": None,
                     "transport": None}
         self.first_segment = first_segment
+        self.template_key: str | None = None  # an update template (cuda_ipc: the same tensors each step)
+        self.template_new = False
+        self._static: Any = None
 
     # -- placing the bytes -------------------------------------------------------------------------------
     def send(self, n_workers: int | None = None) -> None:
@@ -257,7 +266,9 @@ class Outgoing:
             self.stages["fingerprint"] = time.perf_counter() - t1
             t1 = time.perf_counter()
             if tr == "cuda_ipc":
-                self.req["transport"] = {"kind": "cuda_ipc", "handles": ipc_handles(self.tensors)}
+                handles = ipc_handles(self.tensors)
+                self.req["transport"] = {"kind": "cuda_ipc", "handles": handles}
+                self._template(handles)
             else:
                 self.req["transport"] = {"kind": "cuda_ipc_layout", "handle": self.layout.handle(),
                                          "views": {n: list(v) for n, v in self.layout.spec_views.items()}}
@@ -272,9 +283,39 @@ class Outgoing:
             self.refused = {"ok": False, "state": "unchanged", "kind": "validation", "message": P.summarize(probs),
                             "problems": probs}
             return
-        self.req["tensors"] = [m.as_dict() for m in self.metas]
+        if self.template_key is not None and not self.template_new:
+            # the same tensors as the last update: the engine has their metadata and open handles
+            self.req["transport"] = {"kind": "template", "key": self.template_key}
+            self.req["fingerprints"] = [m.fingerprint for m in self.metas]
+            self.req["nonfinite"] = [m.nonfinite for m in self.metas]
+        else:
+            self.req["tensors"] = [m.as_dict() for m in self.metas]
         if tr == "dist":
             self.sender.start()
+
+    def _template(self, handles: list) -> None:
+        """A trainer that updates its tensors in place sends the same names, shapes and IPC handles every step:
+        the engine keeps them (an update template) and later requests carry only the digests."""
+        if self.opts.partial or self.req.get("session"):
+            return
+        self._static = hash((tuple((m.name, m.dtype, tuple(m.shape)) for m in self.metas), tuple(handles)))
+        known = _TEMPLATES.get(_tkey(self.tgt))
+        if known is not None and known[0] == self._static:
+            self.template_key = known[1]
+        else:
+            self.template_key, self.template_new = uuid.uuid4().hex, True
+            self.req["template"] = self.template_key
+
+    def template_result(self, out: dict[str, Any]) -> bool:
+        """Record the template once the engine took it; True if the engine did not know it (resend in full)."""
+        if self.template_key is None:
+            return False
+        if out.get("kind") == "template":
+            _TEMPLATES.pop(_tkey(self.tgt), None)
+            return True
+        if self.template_new and out.get("ok"):
+            _TEMPLATES[_tkey(self.tgt)] = (self._static, self.template_key)
+        return False
 
     def finish_send(self) -> None:
         if self.transport == "dist" and self.sender is not None:
@@ -374,6 +415,11 @@ def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
             return out_.report(out_.refused, raise_on_error)
         t2 = time.perf_counter()
         out = tgt.run(out_.req)
+        if out_.template_result(out):  # the engine lost the template: once more, in full
+            out_ = Outgoing(tgt, named_tensors, opts, schema)
+            out_.send(n_workers=getattr(schema, "workers", None))
+            out = tgt.run(out_.req)
+            out_.template_result(out)
         out_.stages["engine"] = time.perf_counter() - t2
         out_.finish_send()
         return out_.report(out, raise_on_error)
@@ -401,6 +447,11 @@ async def push_weights_async(target: Any, named_tensors: Iterable[tuple[str, tor
             return out_.report(out_.refused, raise_on_error)
         t2 = time.perf_counter()
         out = await tgt.run_async(out_.req)
+        if out_.template_result(out):
+            out_ = Outgoing(tgt, named_tensors, opts, schema)
+            await asyncio.to_thread(out_.send, getattr(schema, "workers", None))
+            out = await tgt.run_async(out_.req)
+            out_.template_result(out)
         out_.stages["engine"] = time.perf_counter() - t2
         await asyncio.to_thread(out_.finish_send)
         return out_.report(out, raise_on_error)

@@ -218,11 +218,13 @@ class CopyPlan:
         why = self.live()
         if why:
             return why
-        ranges = []
-        for e in entries:
-            d = e.dst.data
-            base = d.untyped_storage().data_ptr()
-            ranges.append((base, base + d.untyped_storage().nbytes()))
+        import bisect
+
+        spans: dict[int, int] = {}
+        for e in entries:  # the destination storages, as sorted address intervals
+            st = e.dst.data.untyped_storage()
+            spans[st.data_ptr()] = st.nbytes()
+        starts = sorted(spans)
         for e in entries:
             src = sources.get(e.name)
             if src is None:
@@ -233,9 +235,10 @@ class CopyPlan:
                 return f"{e.name}: the source is not contiguous (copying it would allocate)"
             if src.dtype != e.dst.dtype and not (allow_cast and src.is_floating_point() and e.dst.is_floating_point()):
                 return f"{e.name}: dtype {src.dtype} != {e.dst.dtype}"
-            lo = src.untyped_storage().data_ptr()
-            hi = lo + src.untyped_storage().nbytes()
-            if any(lo < b and a < hi for a, b in ranges):
+            st = src.untyped_storage()
+            lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+            i = bisect.bisect_right(starts, hi - 1) - 1  # the last destination starting below the source's end
+            if i >= 0 and starts[i] + spans[starts[i]] > lo:
                 return f"{e.name}: the source overlaps the model's parameters"
         return None
 

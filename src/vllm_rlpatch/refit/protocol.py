@@ -78,11 +78,15 @@ class TensorMeta:
     nonfinite: int | None = None  # NaN/inf values the sender counted in the same pass (None: not counted)
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # by hand: dataclasses.asdict deep-copies, ~10 us a tensor (3 ms for an 8B model's 291)
+        return {"name": self.name, "dtype": self.dtype, "shape": self.shape, "nbytes": self.nbytes,
+                "segment": self.segment, "offset": self.offset, "fingerprint": self.fingerprint,
+                "nonfinite": self.nonfinite}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TensorMeta":
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+        return cls(d["name"], d["dtype"], d["shape"], d["nbytes"], d.get("segment", 0), d.get("offset", 0),
+                   d.get("fingerprint"), d.get("nonfinite"))
 
 
 def aligned(n: int) -> int:

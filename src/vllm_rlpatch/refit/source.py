@@ -21,6 +21,7 @@ class Source:
     streaming = False
     trusted_digests = False
     extra_host_bytes = 0
+    pinned = False  # kept open across updates (an update template's source)
 
     def open(self) -> None: ...
 

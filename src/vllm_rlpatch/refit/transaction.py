@@ -147,6 +147,7 @@ class WorkerRefit:
         self.plan_note = "not captured yet (the first complete update captures and verifies it)"
         self.arenas: dict[str, B.BackupArena] = {}
         self.armed_fault: str | None = None
+        self.templates: dict[str, dict[str, Any]] = {}  # key -> metadata and opened source of a repeated update
 
     def arm_fault(self, where: str) -> dict[str, Any]:
         """Testing only (``VLLM_RLPATCH_FAULT_INJECTION=1``): the next transaction fails at ``where``
@@ -252,10 +253,23 @@ class WorkerRefit:
             if tx.guarantee is None and req.get("guarantee", "auto") not in P.GUARANTEES:
                 return _fail("validation", "unchanged", f"guarantee={req.get('guarantee')!r}: use one of "
                              f"{', '.join(P.GUARANTEES)}", stages, tx.checks)
-            metas = [P.TensorMeta.from_dict(d) for d in req["tensors"]]
             schema = self.schema()
             partial = tx.partial or tx.session
-            probs = P.validate_metadata(metas, schema, partial=partial, allow_cast=tx.allow_cast)
+            tmpl = None
+            if (req.get("transport") or {}).get("kind") == "template":
+                # the same tensors as an earlier update (a trainer updates its tensors in place): metadata checked
+                # and IPC handles opened then; only this update's digests travel
+                tmpl = self.templates.get(req["transport"]["key"])
+                if tmpl is None:
+                    return _fail("template", "unchanged", "unknown update template (the engine restarted?): send the "
+                                 "full request", stages, tx.checks)
+                metas = [P.TensorMeta(m.name, m.dtype, m.shape, m.nbytes, m.segment, m.offset, fp, nf)
+                         for m, fp, nf in zip(tmpl["metas"], req.get("fingerprints") or [None] * len(tmpl["metas"]),
+                                              req.get("nonfinite") or [None] * len(tmpl["metas"]))]
+                probs = []
+            else:
+                metas = [P.TensorMeta.from_dict(d) for d in req["tensors"]]
+                probs = P.validate_metadata(metas, schema, partial=partial, allow_cast=tx.allow_cast)
             again = sorted({m.name for m in metas} & tx.names_done)
             if again:
                 probs.append(P.problem("duplicate", again[0], f"{again[0]} was already sent in an earlier part of "
@@ -273,10 +287,18 @@ class WorkerRefit:
                     return _fail("validation", "unchanged", f"version {version} is not greater than the engine's "
                                  f"current weight version {cur}", stages, tx.checks)
             self._fault(tx, "prepare")
-            source = make_source(req, metas, self.worker, self.device)
-            part = _Part(req, metas, source)
             t1 = _now()
-            source.open()
+            if tmpl is not None:
+                source = tmpl["source"]
+                source.metas = metas
+            else:
+                source = make_source(req, metas, self.worker, self.device)
+                source.open()
+                if req.get("template"):
+                    self.templates.clear()  # the latest only: a trainer that changed its tensors sent a new one
+                    self.templates[req["template"]] = {"metas": metas, "source": source}
+                    source.pinned = True  # kept open across updates
+            part = _Part(req, metas, source)
             tx.stage("open", _now() - t1)
             names = {m.name for m in metas if m.name not in schema.aliases}
             if tx.path is None:
@@ -293,13 +315,13 @@ class WorkerRefit:
                 tx.stage("receive", _now() - t1)
                 probs = self._check_sources(tx, part)
                 if probs:
-                    source.close()
+                    _close(source)
                     kind = "transport" if any(p["kind"] == "fingerprint" for p in probs) else "validation"
                     return _fail(kind, tx_state_now(tx), P.summarize(probs), stages, tx.checks, probs)
             if tx.guarantee is None:
                 decided = self._decide(tx, req, part)
                 if isinstance(decided, dict):
-                    source.close()
+                    _close(source)
                     return decided
             elif tx.guarantee == "rollback" and tx.path == "plan":  # a later part of a session: room for its backup
                 need = sum(e.dst.element_size() * _numel(e.dst_geom[0]) for e in self.plan.entries_for(names))
@@ -309,14 +331,14 @@ class WorkerRefit:
                 if ok and have < need:  # a session's parts share one arena: a later part grows it by a chunk
                     arena.grow(need)
                 if not ok:
-                    source.close()
+                    _close(source)
                     return _fail("refused", tx_state_now(tx), f"no room to back up this part ({why}): abort the "
                                  "session (its earlier parts are restored)", stages, tx.checks)
             if tx.guarantee == "validate-then-write" and tx.path == "plan":
                 entries = self.plan.entries_for(names)
                 why = self.plan.preconditions(entries, part.tensors or {}, tx.allow_cast)
                 if why is not None:
-                    source.close()
+                    _close(source)
                     return _fail("validation", tx_state_now(tx), f"validate-then-write: {why}", stages, tx.checks)
                 tx.check("preconditions")
             tx.pending = part
@@ -808,6 +830,8 @@ class WorkerRefit:
             return
         for part in tx.parts + ([tx.pending] if tx.pending is not None else []):
             part.tensors = None
+            if getattr(part.source, "pinned", False):
+                continue  # an update template's source stays open for the next update
             try:
                 part.source.close()
             except Exception:
@@ -872,6 +896,12 @@ class WorkerRefit:
 def tx_state_now(tx: _Tx | None) -> str:
     """What the engine holds while a transaction is open and not failed: unchanged until it writes."""
     return "writing" if tx is not None and tx.written else "unchanged"
+
+
+def _close(source: Source) -> None:
+    """Close a transaction's source, unless it is an update template's (kept open for the next update)."""
+    if not source.pinned:
+        source.close()
 
 
 def _is_dist(source: Source) -> bool:
