@@ -189,7 +189,13 @@ class CopyPlan:
 
     def live(self) -> str | None:
         """None if every destination is still the model's storage the plan was captured on, else why not."""
-        for e in self.entries:
+        uniq = self.__dict__.get("_uniq")
+        if uniq is None:  # one check per parameter, not per window
+            seen: dict[int, Entry] = {}
+            for e in self.entries:
+                seen.setdefault(id(e.dst), e)
+            uniq = self._uniq = list(seen.values())
+        for e in uniq:
             d = e.dst.data
             if d.is_meta or d.untyped_storage().data_ptr() != e.dst_ptr:
                 return f"{e.name}: its parameter no longer lives where the plan recorded it (re-pointed by a reload, " \

@@ -336,7 +336,13 @@ class WorkerRefit:
                                  "session (its earlier parts are restored)", stages, tx.checks)
             if tx.guarantee == "validate-then-write" and tx.path == "plan":
                 entries = self.plan.entries_for(names)
-                why = self.plan.preconditions(entries, part.tensors or {}, tx.allow_cast)
+                static_key = (id(self.plan), tx.allow_cast, len(entries))
+                if tmpl is not None and tmpl.get("static_ok") == static_key:
+                    why = self.plan.live()  # the sources are the template's: only liveness can change
+                else:
+                    why = self.plan.preconditions(entries, part.tensors or {}, tx.allow_cast)
+                    if why is None and tmpl is not None:
+                        tmpl["static_ok"] = static_key
                 if why is not None:
                     _close(source)
                     return _fail("validation", tx_state_now(tx), f"validate-then-write: {why}", stages, tx.checks)
@@ -576,7 +582,12 @@ class WorkerRefit:
                 plan.copy(entries[:1], sources)
                 tx.written = True
                 self._fault(tx, "after_first_write")
-            plan.copy(entries, sources)
+            graph = self._copy_graph(part, entries, sources) if not tx.fault else None
+            if graph is not None:
+                graph.replay()  # the template's copies, captured once: one launch
+                tx.check("copy_graph")
+            else:
+                plan.copy(entries, sources)
             tx.written = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -584,15 +595,45 @@ class WorkerRefit:
         tx.check("plan_copy")
         if tx.verify or tx.guarantee == "validate-then-write":
             t1 = _now()
-            got = checks.digests(plan.windows(entries))
             want = self._expected_windows(entries, part)
-            bad = [e.name for e, g, w in zip(entries, got, want) if w is not None and g.key != w]
+            bad = [entries[i].name for i in checks.mismatches(plan.windows(entries), want)]
             tx.stage("check_after", _now() - t1)
             tx.post_check = "window_digests"
             tx.check("window_digests")
             if bad:
                 raise P.RefitError(f"after the write, {len(bad)} destination window(s) do not hold the validated bytes: "
                                    f"{', '.join(bad[:6])}", kind="commit")
+
+    def _copy_graph(self, part: _Part, entries, sources):
+        """A CUDA graph of the plan's copies for an update template (its sources and the plan's windows stay
+        the same tensors step after step): captured on the template's second use, replayed after. None where
+        it does not apply (no template, not CUDA) or the capture failed (then the copies run one by one)."""
+        tmpl = self.templates.get(part.req.get("template") or (part.req.get("transport") or {}).get("key") or "")
+        if tmpl is None or self.device.type != "cuda" or tmpl.get("graph_failed"):
+            return None
+        key = (id(self.plan), len(entries))
+        g = tmpl.get("graph")
+        if g is not None and tmpl.get("graph_key") == key:
+            return g
+        if not tmpl.get("seen"):
+            tmpl["seen"] = True  # the first use runs eagerly (the plan may be new); capture on the next
+            return None
+        try:
+            dst = self.plan.windows(entries)
+            src = self.plan.source_windows(entries, sources)
+            g = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.graph(g, stream=stream):
+                for d, s_ in zip(dst, src):
+                    d.copy_(s_, non_blocking=True)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        except Exception as e:  # noqa: BLE001 - the copies run one by one instead
+            tmpl["graph_failed"] = True
+            logger.info("vllm-rlpatch: capturing the refit copies as a CUDA graph failed (%s); copying eagerly", e)
+            return None
+        tmpl["graph"], tmpl["graph_key"] = g, key
+        return g
 
     def _expected_windows(self, entries, part: _Part) -> list[str | None]:
         """The digest each destination window must have: the validated source digest where the window takes the
