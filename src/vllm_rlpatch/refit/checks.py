@@ -257,9 +257,20 @@ class DigestPlan:
 _PLANS: dict[tuple, DigestPlan] = {}
 
 
+def _plan_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    return tuple((t.data_ptr(), t.numel() * t.element_size(), t.dtype, t.device.index) for t in tensors)
+
+
+def _cached_plan(tensors: Sequence[torch.Tensor]) -> DigestPlan | None:
+    """A plan prepared for exactly these tensors before (same addresses, sizes, dtypes; a prepared plan only
+    exists for tensors that passed the kernel's checks)."""
+    with _WORK_LOCK:
+        return _PLANS.get(_plan_key(tensors))
+
+
 def digest_plan(tensors: Sequence[torch.Tensor]) -> DigestPlan:
     """A :class:`DigestPlan` for these tensors (cached by their addresses, sizes and dtypes)."""
-    key = tuple((t.data_ptr(), t.numel() * t.element_size(), t.dtype, t.device.index) for t in tensors)
+    key = _plan_key(tensors)
     with _WORK_LOCK:
         plan = _PLANS.get(key)
     if plan is None:
@@ -286,9 +297,10 @@ def parse_keys(keys: Sequence[str | None]) -> list[tuple[int, int] | None]:
 def mismatches(tensors: Sequence[torch.Tensor], expected: Sequence[str | None]) -> list[int]:
     """Indexes of the tensors whose bytes' checksum is not the expected key (None: not checked). On a GPU the
     comparison runs on the device: one launch per dtype class, one synchronisation."""
-    if tensors and all(_kernel_ok(t) for t in tensors) and kernel_available(tensors[0].device):
+    plan = _cached_plan(tensors) if tensors and _KERNEL_ERROR is None and tensors[0].is_cuda else None
+    if plan is not None or (tensors and all(_kernel_ok(t) for t in tensors) and kernel_available(tensors[0].device)):
         try:
-            acc = digest_plan(tensors).run()
+            acc = (plan or digest_plan(tensors)).run()
             want = parse_keys(expected)
             have = [i for i, w in enumerate(want) if w is not None]
             if not have:
@@ -315,6 +327,10 @@ def digests(tensors: Iterable[torch.Tensor]) -> list[Digest]:
     """The digest of every tensor: CUDA tensors through the kernel (one launch per dtype class and device),
     the rest through torch reductions."""
     tensors = list(tensors)
+    if tensors and _KERNEL_ERROR is None and tensors[0].is_cuda:  # the same tensors as before: a prepared plan
+        hit = _cached_plan(tensors)
+        if hit is not None:
+            return hit.digests()
     out: list[Digest | None] = [None] * len(tensors)
     by_dev: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
