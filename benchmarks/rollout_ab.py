@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vllm_rlpatch import rollout  # noqa: E402
+from vllm_rlpatch.tools import rollout  # noqa: E402
 
 COMMON = ["--embedded", "--num-prompts", "16", "--n", "4", "--temperature", "0.7", "--top-p", "0.9",
           "--max-tokens", "64"]
@@ -57,7 +57,7 @@ def dump(py: str, out: str, seeds: list[int], extra: list[str], stock: bool = Fa
     env["PYTHONPATH"] = str(ROOT / "src")
     if stock:
         env["VLLM_RLPATCH_ENABLED"] = "0"
-    args = [py, "-m", "vllm_rlpatch.cli", "rollout-dump", *COMMON, *extra, "--seeds", ",".join(map(str, seeds)),
+    args = [py, "-m", "vllm_rlpatch.tools.cli", "rollout-dump", *COMMON, *extra, "--seeds", ",".join(map(str, seeds)),
             "--out", out]
     t = time.time()
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
@@ -85,7 +85,7 @@ def main() -> int:
     d = out / "dumps"
     d.mkdir(parents=True, exist_ok=True)
     from vllm_rlpatch.models import path as model_path
-    from vllm_rlpatch.parity import Reference
+    from vllm_rlpatch.tools.parity import Reference
 
     ref = Reference(model_path("llama-tiny"), "cpu")
     versions = args.versions.split(",")

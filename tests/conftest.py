@@ -9,6 +9,8 @@ import pytest
 from _pytest.reports import TestReport
 from _pytest.runner import runtestprotocol
 
+import vllm_rlpatch.plugin  # noqa: F401 - the composition root hands the patch list to the registry
+
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "scripts"
 

@@ -38,7 +38,7 @@ def _snapshot(spec):
 
 
 def _all_hook_targets():
-    from vllm_rlpatch.targets import all_targets
+    from vllm_rlpatch.tools.targets import all_targets
 
     return all_targets()
 
@@ -163,3 +163,28 @@ def test_status_lists_every_patch_with_a_state_and_reason():
     for r in recs:
         assert r.state in registry.STATES and r.reason
     assert vllm_info().installed
+
+
+def test_patches_applied_before_vllm_imports_their_targets_wrap_what_they_wrap_after():
+    """The order the anchors test and plain wrapping does not: the plugin applies a patch *before* vLLM has
+    imported the target's module (the post-import hook wraps it when vLLM does), or after. Both orders
+    must leave the same targets wrapped. Two fresh processes (the forked tests run with every target
+    imported already)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import SCRIPTS
+
+    out = {}
+    for order in ("before", "after"):
+        p = subprocess.run([sys.executable, str(SCRIPTS / "apply_order.py"), order], capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[order] = json.loads(p.stdout.strip().splitlines()[-1])
+    before, after = out["before"], out["after"]
+    assert before["applied"] == after["applied"]
+    assert before["late_modules"], "every target module was imported before the patches applied: nothing tested"
+    assert after["late_modules"] == []
+    assert before["wrapped"] == after["wrapped"]
+    assert any(before["wrapped"].values())

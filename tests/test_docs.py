@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from vllm_rlpatch import table, upstream
+from vllm_rlpatch.tools import table, upstream
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,9 +22,13 @@ def test_readme_tables_are_generated_from_the_code():
 
 def test_readme_commands_and_ci_agree():
     readme = (ROOT / "README.md").read_text()
-    commands = readme[readme.index("## The two commands"):readme.index("## Install")]
+    start = readme.index("## The two commands")
+    commands = readme[start:readme.index("\n## ", start + 1)]
     assert "bash scripts/parity.sh" in commands and "bash ci/test.sh" in commands
     assert "bash ci/test.sh" in (ROOT / ".ci" / "run").read_text()
     assert (ROOT / "scripts" / "parity.sh").exists() and (ROOT / "scripts" / "demo.sh").exists()
     assert "vllm-rlpatch\" parity" in (ROOT / "scripts" / "parity.sh").read_text()
     assert (ROOT / "CHANGELOG.md").exists()
+    # the first screen installs as written: the package is on no index yet
+    first = readme[:readme.index("## The two commands")]
+    assert "pip install ." in first and "pip install vllm-rlpatch" not in first

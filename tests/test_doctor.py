@@ -79,10 +79,11 @@ def test_doctor_reports_unknown_variable_with_closest_name():
 def test_strict_mode_raises_for_a_broken_patch_in_a_real_vllm_process(tmp_path):
     """A deliberately broken patch: reported `failed` (default) or raised (strict), never skipped."""
     code = (
-        "import vllm_rlpatch.patches as P, dataclasses\n"
+        "import dataclasses, vllm_rlpatch.plugin\n"
+        "from vllm_rlpatch import registry\n"
         "from vllm_rlpatch.patches import rl_defaults\n"
         "def boom(): raise RuntimeError('deliberately broken')\n"
-        "P.ALL_PATCHES = (*P.ALL_PATCHES, dataclasses.replace(rl_defaults.SPEC, name='broken_demo', apply=boom))\n"
+        "registry.use((*registry.patches(), dataclasses.replace(rl_defaults.SPEC, name='broken_demo', apply=boom)))\n"
         "from vllm.engine.arg_utils import EngineArgs\n"
         "EngineArgs(model=%r)\n"
         "import vllm_rlpatch, json\n"

@@ -142,7 +142,7 @@ def test_explicit_raw_and_user_extension_are_respected(explicit_fork_run):
     r = run.check()
     assert r["logprobs_mode"] == "raw_logprobs"
     _assert_raw(r["probe"])
-    assert r["worker_extension_cls"] == "vllm_rlpatch.worker_ext.with:helpers_ext:FrameworkExtension"
+    assert r["worker_extension_cls"] == "vllm_rlpatch.refit.worker_ext.with:helpers_ext:FrameworkExtension"
     assert r["rpc:framework_hello"][0]["has_rlpatch"] is True
     assert r["rpc:rlpatch_ping"][0]["role"] in ("worker", "forked:engine_core")
     assert "was set explicitly and is kept" in run.log

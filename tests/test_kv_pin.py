@@ -16,7 +16,8 @@ import pytest
 from conftest import clean_env, model_path, run_engine
 from kvpin_sim import GiB, SimDevice, SimOOM
 
-from vllm_rlpatch import envs, kvpin
+from vllm_rlpatch import envs
+from vllm_rlpatch.tools import kvpin
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +141,7 @@ def test_bad_arguments(argv, message, capsys):
 
 
 def test_cli_without_a_gpu_or_with_a_missing_model_says_so():
-    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.cli", "kv-pin", "--model", "/nonexistent/model"],
+    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.tools.cli", "kv-pin", "--model", "/nonexistent/model"],
                        capture_output=True, text=True, env=clean_env(), timeout=120)
     assert p.returncode == 2 and "--model /nonexistent/model: no such directory" in p.stderr, p.stderr
     try:
@@ -151,7 +152,7 @@ def test_cli_without_a_gpu_or_with_a_missing_model_says_so():
         pytest.skip("no torch in this environment")
     if has_cuda:
         pytest.skip("this machine has a GPU")
-    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.cli", "kv-pin", "--model", model_path()],
+    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.tools.cli", "kv-pin", "--model", model_path()],
                        capture_output=True, text=True, env=clean_env(), timeout=300)
     assert p.returncode == 2 and "kv-pin needs a CUDA GPU" in p.stderr, p.stderr[-2000:]
 
@@ -219,7 +220,7 @@ def test_without_the_patch_the_variable_does_nothing(tmp_path, pinned):
 
 
 def _doctor(*args, **env):
-    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.cli", "doctor", "--json", "--model", model_path(), *args],
+    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.tools.cli", "doctor", "--json", "--model", model_path(), *args],
                        capture_output=True, text=True, env=clean_env(**env), timeout=300)
     return p
 

@@ -28,7 +28,7 @@ CONFIGS = ["stock", "processed_logprobs", "fp32_lm_head", "prefix_cache", "all"]
 
 def _cli():
     exe = Path(sys.executable).with_name("vllm-rlpatch")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_rlpatch.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_rlpatch.tools.cli"]
 
 
 def _parity(tmp: Path, *args: str, timeout: float = 1500):
@@ -109,7 +109,27 @@ def test_the_command_runs_end_to_end_and_writes_table_json_and_png(llama):
         assert struct.unpack(">I", crc)[0] == zlib.crc32(typ + data) & 0xFFFFFFFF
         idat += data if typ == b"IDAT" else b""
         pos += 12 + n
-    assert len(zlib.decompress(idat)) == h * (1 + 3 * w)  # RGB rows with their filter byte
+    assert len(zlib.decompress(idat)) > 0
+
+
+def test_the_plot_has_one_labelled_panel_per_configuration(llama):
+    """The figure behind parity.png (matplotlib): its axes and their labels, not pixels."""
+    from vllm_rlpatch.tools import plot
+
+    fig = plot.parity_figure(llama["report"])
+    axes = fig.get_axes()
+    assert len(axes) == len(CONFIGS)
+    for ax, name in zip(axes, CONFIGS):
+        title = ax.get_title(loc="left")
+        assert title.startswith(name) and "mult_prob_err: before 1." in title and "after 1." in title
+        assert ax.get_ylabel() == "tokens" and ax.get_yscale() == "symlog"
+        assert len(ax.patches) > 0  # the histogram bars
+        assert len(ax.get_yticks()) >= 2
+    assert axes[-1].get_xlabel() == "Δ logprob (vLLM − fp32 reference)"
+    assert axes[-1].get_xlim() == (-0.5, 0.5)
+    legend = [t.get_text() for t in axes[0].get_legend().get_texts()]
+    assert legend == ["before the weight update", "after the weight update"]
+    assert "vLLM " + llama["report"]["vllm"] in fig._suptitle.get_text()
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -147,6 +167,9 @@ def test_max_error_exits_non_zero_when_the_all_configuration_exceeds_it(qwen):
     p = qwen["proc"]
     assert p.returncode == 1, (p.stdout + p.stderr)[-3000:]
     assert "FAIL: `all` token_mult_prob_error" in p.stderr and "--max-error 1.0001" in p.stderr
+    # no --plot: the plot went to the default output folder, next to where the command ran
+    assert (qwen["dir"] / "vllm-rlpatch-out" / "parity.png").read_bytes()[:4] == b"\x89PNG"
+    assert "plot: vllm-rlpatch-out/parity.png" in p.stdout
 
 
 def test_the_fp32_head_improves_on_processed_logprobs_alone(llama):

@@ -1,4 +1,4 @@
-"""vllm_rlpatch.ports: host-wide port leases (real sockets, real flock across processes; no vLLM needed)."""
+"""vllm_rlpatch.hooks.ports: host-wide port leases (real sockets, real flock across processes; no vLLM needed)."""
 
 import socket
 import subprocess
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from vllm_rlpatch import ports
+from vllm_rlpatch.hooks import ports
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +40,7 @@ def test_pick_port_skips_bound_and_leased_ports():
 
 def test_lease_is_seen_by_another_process_and_dies_with_it(tmp_path):
     start = _free_band(2)
-    code = ("import sys, time; from vllm_rlpatch import ports; "
+    code = ("import sys, time; from vllm_rlpatch.hooks import ports; "
             f"p = ports.pick_port({start}, 2); print(p, flush=True); time.sleep(30)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -19,7 +19,7 @@ SMALL = ["--embedded", "--num-prompts", "6", "--n", "2", "--temperature", "0.7",
 
 
 def _cli(*args, timeout=600, **env):
-    return subprocess.run([sys.executable, "-m", "vllm_rlpatch.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "vllm_rlpatch.tools.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=clean_env(**env))
 
 
@@ -123,7 +123,7 @@ def test_bounds_state_n_range_rule_and_warn_on_weak_evidence(dumps, tmp_path):
 def test_bad_input_is_exit_2_with_the_reason(args, message, tmp_path):
     for f in ("E1", "E2"):  # files that exist (their content is never read: the count is checked first)
         (tmp_path / f).write_text("")
-    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.cli", *args], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.tools.cli", *args], capture_output=True, text=True,
                        timeout=300, env=clean_env(), cwd=tmp_path)
     assert p.returncode == 2 and message in p.stderr, p.stderr[-2000:]
 
@@ -131,7 +131,7 @@ def test_bad_input_is_exit_2_with_the_reason(args, message, tmp_path):
 def test_a_file_that_is_not_a_dump(tmp_path):
     for i in (1, 2):
         (tmp_path / f"x{i}.jsonl").write_text("hello\n")
-    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.cli", "rollout-diff", "x1.jsonl", "x2.jsonl", "--",
+    p = subprocess.run([sys.executable, "-m", "vllm_rlpatch.tools.cli", "rollout-diff", "x1.jsonl", "x2.jsonl", "--",
                         "x1.jsonl", "x2.jsonl"], capture_output=True, text=True, timeout=300, env=clean_env(),
                        cwd=tmp_path)
     assert p.returncode == 2 and "not a JSON line (is this a rollout-dump file?)" in p.stderr

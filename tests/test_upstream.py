@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_rlpatch import upstream
+from vllm_rlpatch.tools import upstream
 from vllm_rlpatch.patches import ALL_PATCHES, BY_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ SECTIONS = ("## Purpose", "## Root cause", "## Fix", "## Test Plan", "## Test Re
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "vllm_rlpatch.cli", "upstream", *args],
+    return subprocess.run([sys.executable, "-m", "vllm_rlpatch.tools.cli", "upstream", *args],
                           capture_output=True, text=True, timeout=120)
 
 

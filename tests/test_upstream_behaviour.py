@@ -1,7 +1,7 @@
 """Each upstream diff changes the same behaviour as its runtime patch, on the real vLLM of this environment.
 
 For every diff whose bases include this environment's vLLM version: an overlay of the installed `vllm`
-package with the diff applied (vllm_rlpatch.upstream.overlay; the installed package is never modified) goes
+package with the diff applied (vllm_rlpatch.tools.upstream.overlay; the installed package is never modified) goes
 first on PYTHONPATH, and
 - the upstream test the PR adds fails on the installed (unfixed) vLLM and passes on the overlay, with the
   runtime patch switched off (the prefix-cache PR's end-to-end test shows the stale hits on the same engine);
@@ -20,7 +20,7 @@ from packaging.version import Version
 
 import portrace
 from conftest import clean_env, vllm_version
-from vllm_rlpatch import upstream
+from vllm_rlpatch.tools import upstream
 
 V = vllm_version().split("+")[0]
 HERE = {p.name: p for p in upstream.load_all() if V in p.bases()}

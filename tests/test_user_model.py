@@ -30,7 +30,7 @@ def _newest_only(version):
 
 
 def _cli(*args, cwd=None, timeout=900, **env):
-    return subprocess.run([sys.executable, "-m", "vllm_rlpatch.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "vllm_rlpatch.tools.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=clean_env(**env), cwd=cwd)
 
 
@@ -87,7 +87,7 @@ def test_rollout_prompts_are_fitted_with_the_models_tokenizer(byte_model, tmp_pa
     their last tokens, and the note says how many (what rollout-dump prints)."""
     from transformers import AutoTokenizer
 
-    from vllm_rlpatch import rollout
+    from vllm_rlpatch.tools import rollout
 
     tok = AutoTokenizer.from_pretrained(byte_model)
     fitted, note = rollout._fit(byte_model, None, 4, 128, 64)
@@ -111,7 +111,7 @@ def test_the_reported_crash_case_runs(tmp_path):
 
 
 def _long_prompts(tmp_path):
-    from vllm_rlpatch.parity import make_prompts
+    from vllm_rlpatch.tools.parity import make_prompts
 
     f = tmp_path / "prompts.txt"
     f.write_text("\n".join(make_prompts(4, 0, 3, sentences=40)) + "\n")

@@ -203,7 +203,7 @@ def phase1(outdir: str) -> None:
     r = {}
     if not os.environ.get("SKIP_UNPINNED"):
         r["unpinned"] = _child(["child-engine", "unpinned"], f"{outdir}/unpinned.json", 300)
-    cli = [sys.executable, "-m", "vllm_rlpatch.cli", "kv-pin", "--model", MODEL, "--trainer-reserve-gib",
+    cli = [sys.executable, "-m", "vllm_rlpatch.tools.cli", "kv-pin", "--model", MODEL, "--trainer-reserve-gib",
            str(RESERVE_GIB), "--json", f"{outdir}/kvpin.json", *CLI_ARGS]
     for run in ("first", "second"):
         log = f"{outdir}/kvpin_{run}.log"

@@ -20,7 +20,7 @@ VER=$(python3 -c "import re;print(re.search(r'__version__ = \"([^\"]+)\"', open(
 D="$SITE/vllm_rlpatch-$VER.dist-info"
 mkdir -p "$D"
 printf 'Metadata-Version: 2.1\nName: vllm-rlpatch\nVersion: %s\n' "$VER" > "$D/METADATA"
-printf '[vllm.general_plugins]\nrlpatch = vllm_rlpatch.plugin:register\n\n[console_scripts]\nvllm-rlpatch = vllm_rlpatch.cli:main\n' > "$D/entry_points.txt"
+printf '[vllm.general_plugins]\nrlpatch = vllm_rlpatch.plugin:register\n\n[console_scripts]\nvllm-rlpatch = vllm_rlpatch.tools.cli:main\n' > "$D/entry_points.txt"
 : > "$D/RECORD"
 printf 'import site\nsite.addsitedir("%s")\n' "$SITE" > "$SITE/sitecustomize.py"
 PYTHONPATH=$SITE python3 -c "import vllm, vllm_rlpatch; from importlib.metadata import entry_points; print('vllm', vllm.__version__, 'rlpatch', vllm_rlpatch.__version__, [e.value for e in entry_points(group='vllm.general_plugins') if e.name=='rlpatch'])"

@@ -23,10 +23,20 @@ else
   echo "[env] building $ENV (vLLM $VERSION)" >&2
   rm -rf "$ENV"; mkdir -p "$CACHE"
   "$PY" -m venv "$ENV"
-  pip_() { "$ENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
+  # pip's own lines (one per distribution) are the progress: a build takes 1.5-2 minutes.
+  pip_() {
+    local rc=0
+    "$ENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+      | { grep --line-buffered -v -e "^WARNING: Location" -e "^Requirement already satisfied" -e "^  Using cached" || true; } \
+      | sed -u 's/^/[env]   /' || rc=$?
+    return "$rc"
+  }
+  stage() { echo "[env] $(date +%H:%M:%S) $*" >&2; }
+  stage "pip"
   pip_ -U "pip>=24" >&2
   if [ -f "$LOCK" ]; then
     # The lock holds every distribution (torch included); nothing is resolved again.
+    stage "installing the $(grep -c '==' "$LOCK") locked distributions of vLLM $VERSION (torch included)"
     pip_ --no-deps -r "$LOCK" >&2
   else
     case "$VERSION" in
@@ -59,6 +69,7 @@ PYEOF
     "$ENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 2>/dev/null || true
   fi
   # Test tools (not part of the lock: they do not change vLLM's behaviour).
+  stage "test tools (ci/envs/test-requirements.txt)"
   pip_ -r "$HERE/test-requirements.txt" >&2
   if [ ! -f "$LOCK" ]; then
     "$ENV/bin/python" -m pip freeze --exclude-editable | grep -v -E '^(vllm-rlpatch|pytest|pytest-forked|pytest-timeout|iniconfig|pluggy|py)==' > "$LOCK.new"
@@ -66,6 +77,7 @@ PYEOF
     echo "[env] wrote $LOCK (commit it; the next build installs from it)" >&2
   fi
   touch "$ENV/.complete"
+  stage "built $ENV"
 fi
 # The project itself, editable, so the tests see the working tree (cheap: re-run every time).
 "$ENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps -e "$ROOT" >&2

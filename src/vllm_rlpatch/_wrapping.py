@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import wrapt
 
+from vllm_rlpatch._postimport import when_imported
+
 logger = logging.getLogger("vllm.rlpatch")
 
 _MARK = "_self_rlpatch_owner"  # `_self_` attributes live on the wrapt proxy, not the wrapped function
@@ -112,24 +114,76 @@ def is_wrapped(path: str, owner: str | None = None) -> bool:
     return o is not None and (owner is None or o == owner)
 
 
-class LazyWrap:
-    """One target wrapped when vLLM imports its module (at once if it already has); for patches whose target
-    module the plugin must not import itself. ``apply``/``revert`` are the patch's, both idempotent."""
+def wrap_instance(obj: Any, attr: str, wrapper: Callable[..., Any], owner: str) -> bool:
+    """Wrap one object's method (an instance attribute shadowing the class's). Returns False if it is
+    already a proxy (ours or someone's)."""
+    if is_proxy(obj.__dict__.get(attr)):
+        return False
+    wrapt.wrap_function_wrapper(obj, attr, wrapper)
+    setattr(obj.__dict__[attr], _MARK, owner)
+    return True
 
-    def __init__(self, target: str, wrapper: Callable[..., Any], owner: str) -> None:
-        self.target, self.wrapper, self.owner = target, wrapper, owner
+
+def unwrap_instance(obj: Any, attr: str, owner: str) -> bool:
+    """Undo :func:`wrap_instance` (the class's method shows through again)."""
+    if owner_of(obj.__dict__.get(attr)) != owner:
+        return False
+    del obj.__dict__[attr]
+    return True
+
+
+class LateWraps:
+    """Targets of one module, wrapped when vLLM imports it (at once if it already has): the one way to wrap
+    late, for patches and hooks whose target module the plugin must not import itself.
+
+    ``targets`` is a ``{target: wrapper}`` dict or a function returning one, called when the module is there
+    (so it can choose targets by what this vLLM has). A missing target is reported to ``on_missing``; with
+    ``all_or_none`` nothing is wrapped then. ``apply``/``revert`` are idempotent; ``revert`` before the module
+    is imported means it is never wrapped."""
+
+    def __init__(self, module: str, targets: "dict[str, Callable[..., Any]] | Callable[[], dict[str, Callable[..., Any]]]",
+                 owner: str, on_missing: Callable[[list[str]], None] | None = None, all_or_none: bool = False) -> None:
+        self.module, self.targets, self.owner = module, targets, owner
+        self.on_missing, self.all_or_none = on_missing, all_or_none
         self.active = False
+        self._wrapped: list[str] = []
 
     def _install(self, module: Any = None) -> None:
-        if self.active and target_exists(self.target):
-            wrap(self.target, self.wrapper, self.owner)
+        if not self.active:
+            return
+        chosen = self.targets() if callable(self.targets) else self.targets
+        missing = [t for t in chosen if not target_exists(t)]
+        if missing and self.on_missing is not None:
+            self.on_missing(missing)
+        if missing and self.all_or_none:
+            return
+        for t, wrapper in chosen.items():
+            if t not in missing:
+                wrap(t, wrapper, self.owner)
+                if t not in self._wrapped:
+                    self._wrapped.append(t)
 
     def apply(self) -> None:
-        from vllm_rlpatch._startup import when_imported
-
-        self.active = True
-        when_imported(self.target.partition(":")[0], self._install)
+        if not self.active:
+            self.active = True
+            when_imported(self.module, self._install)
 
     def revert(self) -> None:
         self.active = False
-        unwrap(self.target, self.owner)
+        fixed = [] if callable(self.targets) else list(self.targets)
+        for t in dict.fromkeys([*self._wrapped, *fixed]):
+            unwrap(t, self.owner)
+        self._wrapped.clear()
+
+
+class LazyWrap(LateWraps):
+    """One late target (see :class:`LateWraps`)."""
+
+    def __init__(self, target: str, wrapper: Callable[..., Any], owner: str,
+                 on_missing: Callable[[list[str]], None] | None = None) -> None:
+        super().__init__(target.partition(":")[0], {target: wrapper}, owner, on_missing)
+        self.target, self.wrapper = target, wrapper
+
+    def apply(self) -> None:
+        self.module, self.targets = self.target.partition(":")[0], {self.target: self.wrapper}
+        super().apply()

@@ -76,6 +76,10 @@ class EnvVar:
     default: Any
     doc: str
 
+    def raw(self) -> str | None:
+        """The variable as set (None when unset), unparsed: for reports."""
+        return os.environ.get(self.name)
+
     def get(self) -> Any:
         raw = os.environ.get(self.name)
         if raw is None:
@@ -135,6 +139,13 @@ PORT_LEASE_DIR = EnvVar(
     "Where port leases live (default /tmp/vllm-rlpatch-ports-<uid>); processes must share it to see each "
     "other's leases.",
 )
+
+SRC_CACHE = EnvVar(
+    PREFIX + "SRC_CACHE", _directory, None,
+    "Where `vllm-rlpatch upstream` keeps the pristine vLLM sources it applies its diffs to (default "
+    "~/.cache/vllm-rlpatch/src).",
+)
+
 
 def _token(name: str, raw: str) -> str:
     if len(raw.strip()) < 16:
@@ -241,7 +252,7 @@ ROLLOUT_TOKENS = EnvVar(
 )
 
 GLOBAL_VARS: tuple[EnvVar, ...] = (ENABLED, PROFILE, STRICT, LOG_LEVEL, STATUS_DIR, INFLIGHT, PORT_LEASE_S, PORT_BAND,
-                                   PORT_LEASE_DIR, REFIT_SHM_DIR, HTTP_TOKEN, HTTP_REMOTE, KV_CACHE_BYTES,
+                                   PORT_LEASE_DIR, SRC_CACHE, REFIT_SHM_DIR, HTTP_TOKEN, HTTP_REMOTE, KV_CACHE_BYTES,
                                    BACKUP_HOST_BYTES, FAULT_INJECTION, ROLLOUT_TOKENS)
 
 
@@ -278,10 +289,16 @@ def toggle_is_set(var: EnvVar) -> bool:
     return var.name in os.environ
 
 
-def all_vars() -> list[EnvVar]:
-    from vllm_rlpatch.patches import ALL_PATCHES
+_PATCH_TOGGLES: list[EnvVar] = []
 
-    return [*GLOBAL_VARS, *(s.env for s in ALL_PATCHES)]
+
+def declare_patch_toggles(toggles: list[EnvVar]) -> None:
+    """The per-patch toggles (``VLLM_RLPATCH_<NAME>``), handed over by the registry with the patch list."""
+    _PATCH_TOGGLES[:] = toggles
+
+
+def all_vars() -> list[EnvVar]:
+    return [*GLOBAL_VARS, *_PATCH_TOGGLES]
 
 
 def known_names() -> list[str]:

@@ -24,11 +24,16 @@ import threading
 import time
 from typing import Any
 
+from vllm_rlpatch import _role, envs, registry
+from vllm_rlpatch._startup import declare_env_names
+from vllm_rlpatch.hooks import explicit
+from vllm_rlpatch.patches import ALL_PATCHES, refit_http
+from vllm_rlpatch.versions import vllm_info
+
 logger = logging.getLogger("vllm.rlpatch")
 
 _LOCK = threading.Lock()
 _registered_pid: int | None = None
-_role: str = "unknown"
 _register_seconds: float | None = None
 _fork_hook_installed = False
 
@@ -56,7 +61,7 @@ def _detect_role() -> str:
 
 
 def process_role() -> str:
-    return _role
+    return _role.get()
 
 
 def register_seconds() -> float | None:
@@ -64,28 +69,23 @@ def register_seconds() -> float | None:
 
 
 def _summary(statuses) -> str:
-    from vllm_rlpatch.versions import vllm_info
-
     by_state: dict[str, list[str]] = {}
     for s in statuses:
         by_state.setdefault(s.state, []).append(s.name)
     info = vllm_info()
     skipped = by_state.get("disabled", []) + by_state.get("not_needed", []) + by_state.get("unsupported", [])
-    return (f"vllm-rlpatch: pid={os.getpid()} role={_role} vllm={info.raw_version} ({info.distribution}) "
+    return (f"vllm-rlpatch: pid={os.getpid()} role={_role.get()} vllm={info.raw_version} ({info.distribution}) "
             f"applied=[{','.join(by_state.get('applied', []))}] skipped=[{','.join(skipped)}] "
             f"failed=[{','.join(by_state.get('failed', []))}]")
 
 
 def _write_status_file(statuses, extra: dict[str, Any] | None = None) -> None:
-    from vllm_rlpatch import envs
-    from vllm_rlpatch.versions import vllm_info
-
     d = envs.STATUS_DIR.get()
     if not d:
         return
     try:
         os.makedirs(d, exist_ok=True)
-        payload = {"pid": os.getpid(), "ppid": os.getppid(), "role": _role, "vllm": vllm_info().raw_version,
+        payload = {"pid": os.getpid(), "ppid": os.getppid(), "role": _role.get(), "vllm": vllm_info().raw_version,
                    "register_seconds": _register_seconds,
                    "patches": [s.as_dict() for s in statuses], **(extra or {})}
         tmp = os.path.join(d, f".{os.getpid()}.json.tmp")
@@ -117,15 +117,13 @@ def _log_summary(line: str) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _role, _registered_pid
+    global _registered_pid
     parent = _registered_pid
     if parent is None or parent == os.getpid():
         return
     _registered_pid = os.getpid()
-    _role = f"forked:{_role}"
+    _role.set(f"forked:{_role.get()}")
     try:
-        from vllm_rlpatch import registry
-
         statuses = registry.status()
         _log_summary(f"{_summary(statuses)} (inherited from pid {parent} via fork)")
         _write_status_file(statuses, {"forked_from": parent})
@@ -134,8 +132,6 @@ def _after_fork_in_child() -> None:
 
 
 def _configure_logging() -> None:
-    from vllm_rlpatch import envs
-
     level = envs.LOG_LEVEL.get()
     if level:
         logger.setLevel(level.upper())
@@ -152,23 +148,17 @@ def register_as(role: str) -> None:
 
 
 def _register(role: str | None) -> None:
-    global _registered_pid, _role, _register_seconds, _fork_hook_installed
+    global _registered_pid, _register_seconds, _fork_hook_installed
     with _LOCK:
         if _registered_pid == os.getpid():
             return
         t0 = time.perf_counter()
-        from vllm_rlpatch import envs, registry
-
-        _role = role or _detect_role()
-        from vllm_rlpatch._startup import declare_env_names
-
+        _role.set(role or _detect_role())
         declare_env_names()
         _configure_logging()
         envs.validate_environment()  # raises EnvError on an invalid value
         if envs.ENABLED.get():
             try:
-                from vllm_rlpatch.hooks import explicit
-
                 explicit.install()  # no-op when the .pth start-up hook already did it
             except Exception as e:  # vLLM without arg_utils? the config patches will report it
                 logger.debug("vllm-rlpatch: explicit-argument capture unavailable: %r", e)
@@ -182,3 +172,14 @@ def _register(role: str | None) -> None:
         if not _fork_hook_installed:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _fork_hook_installed = True
+
+
+# ---------------------------------------------------------------------------------------------- composition
+def _install_refit_routes(app: Any) -> None:
+    from vllm_rlpatch.refit import http  # torch and FastAPI: loaded only in an API server that builds its app
+
+    http.install_routes(app)
+
+
+registry.use(ALL_PATCHES)
+refit_http.set_route_installer(_install_refit_routes)

@@ -222,27 +222,41 @@ def revert_one(spec: PatchSpec) -> None:
             old.state, old.reason = "disabled", "reverted"
 
 
-def apply_all(specs: Iterable[PatchSpec] | None = None, info: VllmInfo | None = None) -> list[PatchStatus]:
-    from vllm_rlpatch.patches import ALL_PATCHES
+_PATCHES: tuple[PatchSpec, ...] | None = None
 
-    return [apply_one(s, info) for s in (ALL_PATCHES if specs is None else specs)]
+
+def use(specs: Iterable[PatchSpec]) -> None:
+    """The composition root (:mod:`vllm_rlpatch.plugin`) hands over the patch list, in application order;
+    :mod:`vllm_rlpatch.envs` learns their toggles from here."""
+    global _PATCHES
+    with _LOCK:
+        _PATCHES = tuple(specs)
+        envs.declare_patch_toggles([s.env for s in _PATCHES])
+
+
+def patches() -> tuple[PatchSpec, ...]:
+    """Every known patch spec, in application order."""
+    if _PATCHES is None:
+        raise RuntimeError("vllm-rlpatch: the registry has no patch list; import vllm_rlpatch.plugin (the "
+                           "composition root hands it over)")
+    return _PATCHES
+
+
+def apply_all(specs: Iterable[PatchSpec] | None = None, info: VllmInfo | None = None) -> list[PatchStatus]:
+    return [apply_one(s, info) for s in (patches() if specs is None else specs)]
 
 
 def revert_all(specs: Iterable[PatchSpec] | None = None) -> None:
-    from vllm_rlpatch.patches import ALL_PATCHES
-
     with _LOCK:
-        for s in reversed(list(ALL_PATCHES if specs is None else specs)):
+        for s in reversed(list(patches() if specs is None else specs)):
             revert_one(s)
 
 
 def status() -> list[PatchStatus]:
     """One record per known patch. Patches never evaluated in this process are evaluated (not applied)."""
-    from vllm_rlpatch.patches import ALL_PATCHES
-
     out = []
     with _LOCK:
-        for s in ALL_PATCHES:
+        for s in patches():
             st = _STATE.statuses.get(s.name)
             if st is None:
                 state, reason = decide(s)

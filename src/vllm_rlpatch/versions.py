@@ -18,7 +18,6 @@ from packaging.version import InvalidVersion, Version
 NEWEST_TESTED = Version("0.32.0")
 # Versions the CI matrix covers on CPU.
 TESTED_VERSIONS = ("0.20.2", "0.25.1", "0.32.0")
-OLDEST_SUPPORTED = Version("0.20.0")
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from vllm_rlpatch import upstream
-from vllm_rlpatch.targets import all_targets, resolve_in_source
+from vllm_rlpatch.tools import upstream
+from vllm_rlpatch.tools.targets import all_targets, resolve_in_source
 
 NEWEST = os.environ.get("VLLM_RLPATCH_TEST_NEWEST_VLLM", "0.34.0")
 

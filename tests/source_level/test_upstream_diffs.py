@@ -4,7 +4,7 @@ The trees come from upstream's own released `vllm` wheels (downloaded once, cach
 
 import pytest
 
-from vllm_rlpatch import upstream
+from vllm_rlpatch.tools import upstream
 
 CASES = [(p, v) for p in upstream.load_all() for v in p.bases()]
 

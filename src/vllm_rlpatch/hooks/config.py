@@ -75,7 +75,7 @@ class ConfigContext:
         if is_user:
             s = Setting(name, current, "user", owner, stock, "passed explicitly; the plugin leaves it", how)
             if current != value and user_consequence:
-                _warn_once(("user", name, repr(current)),
+                warn_once(("user", name, repr(current)),
                            "vllm-rlpatch: %s=%r was set explicitly and is kept; %s", name, current,
                            user_consequence)
         elif current == value and value == stock:
@@ -110,7 +110,7 @@ _warned: set[Any] = set()
 _logged: set[Any] = set()
 
 
-def _warn_once(key: Any, msg: str, *args: Any) -> None:
+def warn_once(key: Any, msg: str, *args: Any) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(msg, *args)
@@ -149,11 +149,6 @@ def remove_contributor(name: str) -> None:
         if not _CONTRIBUTORS:
             _wrapping.unwrap(TARGET, OWNER)
             explicit.uninstall()
-
-
-def contributors() -> list[str]:
-    with _LOCK:
-        return [c.name for c in sorted(_CONTRIBUTORS.values(), key=lambda c: (c.order, c.name))]
 
 
 def last_settings() -> dict[str, Setting]:

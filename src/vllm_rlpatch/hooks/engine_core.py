@@ -31,12 +31,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 import weakref
 from typing import Any, Callable, NamedTuple
 
-from vllm_rlpatch import _wrapping
-from vllm_rlpatch.hooks import mixed
+from vllm_rlpatch import _wrapping, compat
+from vllm_rlpatch.hooks import inflight, mixed, weights
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -81,12 +80,7 @@ REFIT_RPCS = frozenset({REFIT_PREPARE, REFIT_COMMIT, REFIT_ABORT})
 
 def update_method_names() -> frozenset[str]:
     """RPC names of a complete weight update (the name-only fallback, and ``refuse``)."""
-    from packaging.version import Version
-
-    from vllm_rlpatch.versions import vllm_info
-
-    info = vllm_info()
-    if info.installed and info.release < Version("0.25"):
+    if not compat.weight_update_sessions():
         return frozenset({"reload_weights", "update_weights", REFIT_COMMIT})  # 0.20: each update_weights is complete
     return frozenset({"reload_weights", "finish_weight_update", REFIT_COMMIT})  # 0.25+: start/update/finish sessions
 
@@ -129,6 +123,7 @@ class Policy:
     on_update: Callable[["Guard", UpdateInfo], None] | None = None
     before_schedule: Callable[["Guard"], None] | None = None
     salt_key: Callable[["Guard"], str | None] | None = None  # key that salts new computation, None = no salt
+    tags_outputs: bool = False  # stamp every scheduled batch's outputs with its weight version
 
 
 _LOCK = threading.RLock()
@@ -147,6 +142,11 @@ class _Tls(threading.local):
 
 
 _TLS = _Tls()
+
+
+def in_rpc() -> bool:
+    """Is this thread handling a ``collective_rpc`` of an engine core (whose end settles weight updates)?"""
+    return _TLS.rpc_guard is not None
 
 
 class Guard:
@@ -172,8 +172,6 @@ class Guard:
         self.poisoned: mixed.MixedWeights | None = None  # refuse to generate until a good update lands
         self.session: str | None = None  # txid of a multi-call update in progress: no generation meanwhile
         if self.in_process_worker is not None:
-            from vllm_rlpatch.hooks import weights
-
             _BY_WORKER[id(self.in_process_worker)] = self
             # Workers in other processes start at 0 and change only through an RPC that passes this
             # guard; an in-process worker may have been loaded into before the guard existed.
@@ -245,6 +243,11 @@ class Guard:
             self.poisoned = None
         logger.info("vllm-rlpatch: engine core: weights changed (%s) -> weight version %d (%d running, %d waiting)",
                     source, self.version, info.running, info.waiting)
+        if inflight.active():
+            try:
+                self.last_update["inflight_done"] = inflight.after_update(self, source, info.running, prev)
+            except Exception:
+                logger.exception("vllm-rlpatch: the in-flight policy failed after weight update #%d", info.version)
         for p in _policies():
             if p.on_update is not None:
                 try:
@@ -256,9 +259,6 @@ class Guard:
             if getattr(req, "num_computed_tokens", 1) == 0:
                 self.kv_version[req.request_id] = self.version
         return info
-
-    def inflight(self, default: str) -> str:
-        return self.inflight_override or default
 
     def poison(self, m: mixed.MixedWeights) -> None:
         """The workers hold a mix of old and new weights: abort what runs, refuse new requests."""
@@ -274,8 +274,6 @@ class Guard:
         """After an RPC: did the workers' weight version move, and do they hold mixed weights? (asked as data:
         the in-process worker directly, others with one ``rlpatch_weight_state`` RPC)."""
         if self.in_process_worker is not None:
-            from vllm_rlpatch.hooks import weights
-
             try:
                 weights.settle(self.in_process_worker, raise_mixed=False)
             except Exception:
@@ -391,11 +389,6 @@ def guard_for(core: Any, create: bool = True) -> Guard | None:
     return g
 
 
-def guards() -> list[Guard]:
-    with _LOCK:
-        return list(_GUARDS.values())
-
-
 # ---------------------------------------------------------------------------------------------- wrappers
 def _rpc_name(args, kwargs) -> str:
     method = args[0] if args else kwargs.get("method")
@@ -419,6 +412,8 @@ def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
     g.inflight_override = rkw.get("inflight") if method in REFIT_RPCS else None
     try:
         _session_gate(g, method, rargs, rkw)
+        if inflight.active() and starts_update(method):
+            inflight.before_update(g, method)
         for p in _policies():
             if p.before_rpc is not None:
                 p.before_rpc(g, method)
@@ -478,7 +473,7 @@ def _session_gate(g: Guard, method: str, rargs: tuple, rkw: dict) -> None:
         return
     running = g.running()
     if running:
-        if g.inflight("") == "abort":
+        if g.inflight_override == "abort":
             g.abort_running("a multi-call weight update started (inflight=abort)")
         else:
             raise RuntimeError(f"vllm-rlpatch: multi-call weight update refused: {len(running)} request(s) are running; "
@@ -572,7 +567,7 @@ def _schedule_wrapper(wrapped, instance, args, kwargs):
 def _update_from_output_wrapper(wrapped, instance, args, kwargs):
     outputs = wrapped(*args, **kwargs)
     g = _BY_SCHEDULER.get(instance)
-    if g is not None and outputs and "weight_events" in _USERS:
+    if g is not None and outputs and any(p.tags_outputs for p in _policies()):
         so = args[0] if args else kwargs.get("scheduler_output")
         g.tag_outputs(getattr(so, "_rlpatch_version", g.version), outputs)
     return outputs
@@ -661,35 +656,25 @@ _WRAPPERS: dict[str, Callable] = {
 }
 
 
-def _wrap_module(module_name: str):
-    def hook(module: Any = None) -> None:
-        if not _active:
-            return
-        for target, wrapper in _WRAPPERS.items():
-            if target.partition(":")[0] != module_name:
-                continue
-            if _wrapping.target_exists(target):
-                _wrapping.wrap(target, wrapper, OWNER)
-            else:
-                logger.warning("vllm-rlpatch: %s is missing in this vLLM; its part of the weight-update "
-                               "handling is off", target)
+def _missing(targets: list[str]) -> None:
+    logger.warning("vllm-rlpatch: %s missing in this vLLM; that part of the weight-update handling is off",
+                   ", ".join(targets))
 
-    return hook
+
+_LAZY = [_wrapping.LateWraps(module, {t: w for t, w in _WRAPPERS.items() if t.partition(":")[0] == module}, OWNER,
+                             on_missing=_missing) for module in (CORE, SCHED, OUTPUTS)]
 
 
 def require(user: str) -> None:
     """A patch needs the hook: install it (idempotent), wrapping each module when vLLM imports it."""
     global _active, _unsubscribe
-    from vllm_rlpatch._startup import when_imported
-    from vllm_rlpatch.hooks import weights
-
     with _LOCK:
         _USERS.add(user)
         if _active:
             return
         _active = True
-        for mod in (CORE, SCHED, OUTPUTS):
-            when_imported(mod, _wrap_module(mod))
+        for lz in _LAZY:
+            lz.apply()
         _unsubscribe = weights.on_weight_update(_on_weight_event)
 
 
@@ -700,8 +685,8 @@ def release(user: str) -> None:
         if _USERS:
             return
         _active = False
-        for target in TARGETS:
-            _wrapping.unwrap(target, OWNER)
+        for lz in _LAZY:
+            lz.revert()
         if _unsubscribe is not None:
             _unsubscribe()
             _unsubscribe = None
@@ -715,12 +700,3 @@ def add_policy(p: Policy) -> None:
 def remove_policy(name: str) -> None:
     with _LOCK:
         _POLICIES.pop(name, None)
-
-
-def users() -> set[str]:
-    with _LOCK:
-        return set(_USERS)
-
-
-def now() -> float:
-    return time.monotonic()

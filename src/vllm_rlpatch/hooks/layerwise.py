@@ -41,6 +41,7 @@ FINALIZE = f"{MODULE}:finalize_layerwise_processing"
 PROCESS = f"{MODULE}:_layerwise_process"
 TARGETS = (FINALIZE, PROCESS)
 from vllm_rlpatch.hooks import mixed as _mixed_state
+from vllm_rlpatch.hooks import workerctx
 
 MIXED_MARK = _mixed_state.MARK  # starts every mixed-weights message (for people; code reads the state)
 
@@ -123,14 +124,9 @@ def using(pol: Policy) -> Iterator[Policy]:
         release("strict-block")
 
 
-def set_default(require_full: bool | None) -> None:
-    """``None``: reloads outside a :func:`strict` block behave as vLLM's; else strict with that setting."""
-    global _default
-    _default = None if require_full is None else Policy(require_full=require_full)
-
-
 # ------------------------------------------------------------------------------------------ helpers
-def _lw():
+def vllm_layerwise():
+    """vLLM's layerwise-reload module (0.32+), imported when first needed."""
     import vllm.model_executor.model_loader.reload.layerwise as lw
 
     return lw
@@ -150,13 +146,6 @@ def _is_embedding(layer) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(layer, VocabParallelEmbedding)
-
-
-def _layer_name(model, layer) -> str:
-    for n, m in model.named_modules():
-        if m is layer:
-            return n or type(layer).__name__
-    return type(layer).__name__
 
 
 def _reprocess_tied(layer) -> bool:
@@ -236,7 +225,7 @@ def _finalize_wrapper(wrapped, instance, args, kwargs):
     if pol is None:
         return wrapped(*args, **kwargs)
     _TLS.implicit = None  # the next reload starts afresh
-    lw = _lw()
+    lw = vllm_layerwise()
     model = args[0] if args else kwargs.get("model")
     f = pol.findings
     tied_layers = []
@@ -311,42 +300,31 @@ def _finalize_wrapper(wrapped, instance, args, kwargs):
     return result
 
 
-def require(user: str) -> None:
-    from vllm_rlpatch._startup import when_imported
+def _missing(targets: list[str]) -> None:
+    logger.warning("vllm-rlpatch: %s missing: strict reloads unavailable in this vLLM", ", ".join(targets))
 
+
+_LATE = _wrapping.LateWraps(MODULE, {FINALIZE: _finalize_wrapper, PROCESS: _process_wrapper}, OWNER,
+                            on_missing=_missing, all_or_none=True)
+
+
+def require(user: str) -> None:
     with _LOCK:
-        first = not _users
         _users.add(user)
-        if first:
-            when_imported(MODULE, _install)
+        _LATE.apply()
 
 
 def release(user: str) -> None:
     with _LOCK:
         _users.discard(user)
-        if _users:
-            return
-        for t in TARGETS:
-            _wrapping.unwrap(t, OWNER)
-
-
-def _install(module: Any = None) -> None:
-    with _LOCK:
         if not _users:
-            return
-        for t in TARGETS:
-            if not _wrapping.target_exists(t):
-                logger.warning("vllm-rlpatch: %s missing: strict reloads unavailable in this vLLM", t)
-                return
-        _wrapping.wrap(FINALIZE, _finalize_wrapper, OWNER)
-        _wrapping.wrap(PROCESS, _process_wrapper, OWNER)
+            _LATE.revert()
 
 
-# ------------------------------------------------------------------------------------------ sessions
 def reload_active(model) -> bool:
     """Is a layerwise reload in progress on ``model`` (vLLM's own, or one of ours)?"""
     try:
-        infos = _lw().LAYERWISE_INFO
+        infos = vllm_layerwise().LAYERWISE_INFO
     except Exception:
         return False
     for layer in model.modules():
@@ -358,7 +336,7 @@ def reload_active(model) -> bool:
 
 def half_loaded(model) -> list[str]:
     """Layers of an open reload that received part of their elements (not yet processed)."""
-    lw = _lw()
+    lw = vllm_layerwise()
     out = []
     for name, layer in model.named_modules():
         info = lw.LAYERWISE_INFO.get(layer)
@@ -368,3 +346,17 @@ def half_loaded(model) -> list[str]:
         if 0 < got < total:
             out.append(name)
     return out
+
+
+def abort_open_reload(worker: Any) -> None:
+    """A load raised in the middle of a layerwise reload: every layer not yet processed gets its previous
+    tensors back (vLLM would otherwise leave them on the meta device)."""
+    lw = vllm_layerwise()
+    model = workerctx.model_of(worker)
+    for layer in model.modules():
+        info = lw.LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            info.load_numel = 0
+            info.loaded_weights.clear()
+    with strict(require_full=False, raise_errors=False), workerctx.vllm_config_ctx(worker):
+        lw.finalize_layerwise_processing(model, worker.model_config)

@@ -30,11 +30,12 @@ import time
 import weakref
 from typing import Any, Callable
 
-from vllm_rlpatch import _wrapping
+from vllm_rlpatch import _wrapping, compat
+from vllm_rlpatch.hooks import mixed, workerctx
 
 logger = logging.getLogger("vllm.rlpatch")
 
-OWNER = "weight_events"
+OWNER = "weights_hook"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +133,10 @@ def _notify(engine: Any, method: str, exc: BaseException, state: Any) -> None:
 
 
 def _state_of(results: Any):
-    from vllm_rlpatch.hooks import mixed
-
     return mixed.from_results(results)
 
 
 def _rpc_failed(engine: Any, method: str, exc: BaseException) -> None:
-    from vllm_rlpatch.hooks import mixed
-
     if not _RPC_ERROR_LISTENERS or method == mixed.STATE_RPC:
         return
     try:
@@ -150,8 +147,6 @@ def _rpc_failed(engine: Any, method: str, exc: BaseException) -> None:
 
 
 async def _rpc_failed_async(engine: Any, method: str, exc: BaseException) -> None:
-    from vllm_rlpatch.hooks import mixed
-
     if not _RPC_ERROR_LISTENERS or method == mixed.STATE_RPC:
         return
     try:
@@ -333,23 +328,14 @@ def _model_load_weights_wrapper(worker_ref):
 
 
 def _wrap_model_of(worker: Any) -> None:
-    runner = getattr(worker, "model_runner", None)
-    model = None
-    if runner is not None:
-        get_model = getattr(runner, "get_model", None)
-        try:
-            model = get_model() if callable(get_model) else getattr(runner, "model", None)
-        except Exception:
-            model = getattr(runner, "model", None)
+    try:
+        model = workerctx.model_of(worker)
+    except Exception:
+        model = getattr(getattr(worker, "model_runner", None), "model", None)
     if model is None or not hasattr(model, "load_weights"):
         return
-    import wrapt
-
-    lw = model.__dict__.get("load_weights")
-    if _wrapping.is_proxy(lw):
-        return
-    wrapt.wrap_function_wrapper(model, "load_weights", _model_load_weights_wrapper(weakref.ref(worker)))
-    _WRAPPED_MODELS.add(model)
+    if _wrapping.wrap_instance(model, "load_weights", _model_load_weights_wrapper(weakref.ref(worker)), OWNER):
+        _WRAPPED_MODELS.add(model)
 
 
 _WRAPPED_MODELS: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -370,65 +356,45 @@ FRONTEND_TARGETS = ("vllm.v1.engine.llm_engine:LLMEngine.collective_rpc",
 WORKER_TARGETS = (f"{WORKER}.reload_weights", f"{WORKER}.load_model")
 
 
-def _worker_update_methods() -> tuple[str, ...]:
-    from vllm.v1.worker.gpu_worker import Worker
-
-    if hasattr(Worker, "finish_weight_update"):
-        return ("finish_weight_update",)
-    return ("update_weights",) if hasattr(Worker, "update_weights") else ()
-
-
-_active = False
+def _worker_targets() -> dict[str, Callable]:
+    """Chosen when the worker module is imported: the native update method differs by version."""
+    out = {f"{WORKER}.reload_weights": _worker_update_wrapper("reload_weights")}
+    for m in compat.worker_update_methods():
+        out[f"{WORKER}.{m}"] = _worker_update_wrapper(m)
+    out[f"{WORKER}.load_model"] = _load_model_wrapper
+    return out
 
 
-def _install_worker_hooks(module: Any = None) -> None:
-    """Wrap the worker side; runs when ``vllm.v1.worker.gpu_worker`` is imported (at once if it is)."""
-    if not _active:
-        return  # reverted before the worker module was imported
-    missing = [t for t in WORKER_TARGETS if not _wrapping.target_exists(t)]
-    if missing:
-        logger.warning("vllm-rlpatch: weight_events: worker target(s) missing (%s); worker-side weight events "
-                       "are off in this process", ", ".join(missing))
-        return
-    _wrapping.wrap(f"{WORKER}.reload_weights", _worker_update_wrapper("reload_weights"), OWNER)
-    for m in _worker_update_methods():
-        _wrapping.wrap(f"{WORKER}.{m}", _worker_update_wrapper(m), OWNER)
-    _wrapping.wrap(f"{WORKER}.load_model", _load_model_wrapper, OWNER)
+def _missing_worker(targets: list[str]) -> None:
+    logger.warning("vllm-rlpatch: weight_events: worker target(s) missing (%s); worker-side weight events "
+                   "are off in this process", ", ".join(targets))
 
 
-def _install_frontend_hook(target: str, wrapper) -> Callable[[Any], None]:
-    def hook(module: Any = None) -> None:
-        if not _active:
-            return
-        if not _wrapping.target_exists(target):
-            logger.warning("vllm-rlpatch: weight_events: %s missing; its weight events are off", target)
-            return
-        _wrapping.wrap(target, wrapper, OWNER)
+def _missing_frontend(targets: list[str]) -> None:
+    logger.warning("vllm-rlpatch: weight_events: %s missing; its weight events are off", ", ".join(targets))
 
-    return hook
+
+_LATE = [
+    _wrapping.LateWraps(FRONTEND_TARGETS[0].partition(":")[0], {FRONTEND_TARGETS[0]: _sync_rpc_wrapper}, OWNER,
+                        on_missing=_missing_frontend),
+    _wrapping.LateWraps(FRONTEND_TARGETS[1].partition(":")[0], {FRONTEND_TARGETS[1]: _async_rpc_wrapper}, OWNER,
+                        on_missing=_missing_frontend),
+    # the worker module alone costs ~1.7 s to import, in processes that never run a worker
+    _wrapping.LateWraps(WORKER.partition(":")[0], _worker_targets, OWNER, on_missing=_missing_worker,
+                        all_or_none=True),
+]
 
 
 def install() -> None:
     """Wrap each side when vLLM imports it (at once if it already has): the plugin imports none of these
-    modules itself. The worker module alone costs ~1.7 s to import, in processes that never run a worker."""
-    global _active
-    from vllm_rlpatch._startup import when_imported
-
-    _active = True
-    when_imported(FRONTEND_TARGETS[0].partition(":")[0], _install_frontend_hook(FRONTEND_TARGETS[0], _sync_rpc_wrapper))
-    when_imported(FRONTEND_TARGETS[1].partition(":")[0], _install_frontend_hook(FRONTEND_TARGETS[1], _async_rpc_wrapper))
-    when_imported(WORKER.partition(":")[0], _install_worker_hooks)
+    modules itself."""
+    for late in _LATE:
+        late.apply()
 
 
 def uninstall() -> None:
-    global _active
-    _active = False
-    for t in FRONTEND_TARGETS:
-        _wrapping.unwrap(t, OWNER)
-    for m in ("reload_weights", "load_model", "finish_weight_update", "update_weights"):
-        _wrapping.unwrap(f"{WORKER}.{m}", OWNER)
+    for late in _LATE:
+        late.revert()
     for model in list(_WRAPPED_MODELS):
-        lw = model.__dict__.get("load_weights")
-        if _wrapping.is_proxy(lw):
-            del model.__dict__["load_weights"]
+        _wrapping.unwrap_instance(model, "load_weights", OWNER)
     _WRAPPED_MODELS.clear()

@@ -36,7 +36,7 @@ import logging
 import threading
 from typing import Any
 
-from vllm_rlpatch import _wrapping
+from vllm_rlpatch import _wrapping, compat
 from vllm_rlpatch.hooks import config as config_hook
 from vllm_rlpatch.registry import PatchSpec
 
@@ -68,12 +68,7 @@ _warned: set[str] = set()
 
 def _native() -> bool:
     """vLLM >= 0.32 has ``ModelConfig.head_dtype`` for generation models (LogitsProcessor._apply_head)."""
-    from packaging.version import Version
-
-    from vllm_rlpatch.versions import vllm_info
-
-    info = vllm_info()
-    return info.installed and info.release >= Version("0.32")
+    return compat.native_head_dtype()
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -233,7 +228,7 @@ def contribute(engine_args: Any, ctx: config_hook.ConfigContext) -> None:
             "head_dtype", user, "user", NAME, "model", "passed explicitly; the plugin leaves it",
             "hf_overrides['head_dtype']")
         if str(user).lower() not in ("float32", "fp32", "torch.float32"):
-            config_hook._warn_once(("user", "head_dtype", str(user)),
+            config_hook.warn_once(("user", "head_dtype", str(user)),
                                    "vllm-rlpatch: hf_overrides head_dtype=%r was set explicitly and is kept; "
                                    "rollout logits are then rounded to that dtype before sampling (logprob "
                                    "mismatch against an fp32 trainer)", user)

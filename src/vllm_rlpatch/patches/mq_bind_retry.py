@@ -27,7 +27,8 @@ import importlib.util
 import logging
 import threading
 
-from vllm_rlpatch import _wrapping, ports
+from vllm_rlpatch import _wrapping
+from vllm_rlpatch.hooks import ports
 from vllm_rlpatch.registry import PatchSpec
 
 logger = logging.getLogger("vllm.rlpatch")
@@ -115,15 +116,8 @@ def _context_wrapper(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-_WRAPPERS = dict(zip(TARGETS, (_init_wrapper, _get_open_port_wrapper, _context_wrapper)))
-_active = False
-
-
-def _install(module=None) -> None:
-    if not _active:
-        return
-    for t, w in _WRAPPERS.items():
-        _wrapping.wrap(t, w, NAME)
+_LATE = _wrapping.LateWraps(MODULE, dict(zip(TARGETS, (_init_wrapper, _get_open_port_wrapper, _context_wrapper))),
+                            NAME)
 
 
 def probe() -> bool:
@@ -136,18 +130,11 @@ def probe() -> bool:
 
 
 def apply() -> None:
-    global _active
-    from vllm_rlpatch._startup import when_imported
-
-    _active = True
-    when_imported(MODULE, _install)
+    _LATE.apply()
 
 
 def revert() -> None:
-    global _active
-    _active = False
-    for t in TARGETS:
-        _wrapping.unwrap(t, NAME)
+    _LATE.revert()
 
 
 SPEC = PatchSpec(

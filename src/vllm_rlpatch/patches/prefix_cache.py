@@ -36,7 +36,7 @@ from typing import Any
 
 from vllm_rlpatch import envs
 from vllm_rlpatch.hooks import config as config_hook
-from vllm_rlpatch.hooks import engine_core
+from vllm_rlpatch.hooks import engine_core, inflight
 from vllm_rlpatch.registry import PatchSpec
 
 logger = logging.getLogger("vllm.rlpatch")
@@ -58,8 +58,14 @@ def mode() -> str:
     return TOGGLE.get()
 
 
-def inflight() -> str:
-    return envs.INFLIGHT.get()
+def effective_mode(requested: str, caching: bool) -> str:
+    """The mode an engine runs with: ``off`` with prefix caching set on explicitly is ``salt``; ``salt`` or
+    ``reset`` without prefix caching is ``off`` (there is nothing to salt or reset)."""
+    if requested == "off" and caching:
+        return "salt"
+    if requested in ("salt", "reset") and not caching:
+        return "off"
+    return requested
 
 
 # ------------------------------------------------------------------------------------------ config side
@@ -81,20 +87,17 @@ def contribute(engine_args: Any, ctx: config_hook.ConfigContext) -> None:
 def _state(g: engine_core.Guard) -> dict[str, Any]:
     st = g.state.get(NAME)
     if st is None:
-        m = mode()
+        requested = mode()
         core = g.core
         caching = bool(getattr(getattr(getattr(core, "vllm_config", None), "cache_config", None),
                                "enable_prefix_caching", True))
-        if m == "off" and caching:
-            m = "salt"
+        m = effective_mode(requested, caching)
+        if requested == "off" and m == "salt":
             logger.warning("vllm-rlpatch: VLLM_RLPATCH_PREFIX_CACHE=off but prefix caching is on (set explicitly); "
                            "salting requests with the weight version instead")
-        elif m in ("salt", "reset") and not caching:
-            m = "off"
-        st = g.state[NAME] = {"mode": m, "inflight": inflight(), "pending": 0, "pending_steps": 0,
-                              "resets": 0, "refused": 0, "recomputed": 0, "aborted": 0}
+        st = g.state[NAME] = {"mode": m, "pending": 0, "pending_steps": 0, "resets": 0, "refused": 0}
         logger.info("vllm-rlpatch: prefix cache policy %s, in-flight requests at a weight update: %s",
-                    m, st["inflight"])
+                    m, inflight.default())
     return st
 
 
@@ -105,17 +108,6 @@ def salt_key(g: engine_core.Guard) -> str | None:
     if st["mode"] == "reset" and st["pending"]:
         return f"rlpatch-reset-pending-{st['pending']}"
     return None
-
-
-def before_rpc(g: engine_core.Guard, method: str) -> None:
-    st = _state(g)
-    if g.inflight(st["inflight"]) == "refuse" and engine_core.starts_update(method):
-        running = g.running()
-        if running:
-            raise RuntimeError(
-                f"vllm-rlpatch: weight update {method!r} refused: {len(running)} request(s) are running "
-                f"({'inflight=refuse' if g.inflight_override else 'VLLM_RLPATCH_INFLIGHT=refuse'}). Wait for them, "
-                "pause generation, or choose recompute|abort|keep.")
 
 
 def _reset(g: engine_core.Guard, st: dict[str, Any], reason: str) -> bool:
@@ -129,46 +121,13 @@ def _reset(g: engine_core.Guard, st: dict[str, Any], reason: str) -> bool:
     return ok
 
 
-def _recompute_running(g: engine_core.Guard, st: dict[str, Any]) -> int:
-    running = g.running()
-    if not running:
-        return 0
-    try:
-        # vLLM's own primitive: preempt every running request (their KV is freed and rebuilt, async
-        # placeholders discarded) and reset the cache in one go.
-        g.scheduler.reset_prefix_cache(reset_running_requests=True)
-        st["resets"] += 1
-        st["pending"] = 0
-    except RuntimeError as e:  # a connector still holds blocks (remote KV transfer)
-        logger.error("vllm-rlpatch: could not preempt running requests for recompute: %s", e)
-    st["recomputed"] += len(running)
-    return len(running)
-
-
 def on_update(g: engine_core.Guard, info: engine_core.UpdateInfo) -> None:
     st = _state(g)
-    m, policy = st["mode"], g.inflight(st["inflight"])
-    if policy == "refuse" and info.running:
-        logger.error("vllm-rlpatch: weights changed through %s while %d request(s) were running although "
-                     "VLLM_RLPATCH_INFLIGHT=refuse (a path the plugin cannot refuse in advance); recomputing them",
-                     info.source, info.running)
-        policy = "recompute"
-    done = []
-    if policy == "recompute":
-        n = _recompute_running(g, st)
-        g.last_update["recomputed"] = n
-        if n:
-            done.append(f"{n} running request(s) preempted, KV rebuilt with the new weights")
-    elif policy == "abort":
-        how = "inflight=abort" if g.inflight_override else "VLLM_RLPATCH_INFLIGHT=abort"
-        ids = g.abort_running(f"weights changed ({how}, via {info.source})")
-        st["aborted"] += len(ids)
-        g.last_update["aborted"] = list(ids)
-        if ids:
-            done.append(f"{len(ids)} running request(s) aborted")
-    elif policy == "keep" and info.running:
-        done.append(f"{info.running} running request(s) keep the KV of weight version {info.previous} "
-                    "(reported in their version spans)")
+    m = st["mode"]
+    done = list(g.last_update.get("inflight_done", ()))  # what the in-flight policy did just before
+    if g.last_update.get("cache_reset"):  # recomputing the running requests reset the cache too
+        st["resets"] += 1
+        st["pending"] = 0
     if m == "reset" and not _reset(g, st, info.source):
         st["refused"] += 1
         st["pending"] += 1
@@ -185,7 +144,8 @@ def on_update(g: engine_core.Guard, info: engine_core.UpdateInfo) -> None:
         for req in g.waiting():
             if getattr(req, "num_computed_tokens", 1) == 0 and getattr(req, "block_hashes", None) is not None:
                 g.salt(req, rehash=True)
-    logger.info("vllm-rlpatch: prefix cache (%s), in-flight (%s): %s", m, policy, "; ".join(done) or "nothing to do")
+    logger.info("vllm-rlpatch: prefix cache (%s), in-flight (%s): %s", m, g.last_update.get("inflight", "keep"),
+                "; ".join(done) or "nothing to do")
 
 
 def before_schedule(g: engine_core.Guard) -> None:
@@ -196,7 +156,7 @@ def before_schedule(g: engine_core.Guard) -> None:
             _reset(g, st, "retried once the requests holding blocks finished")
 
 
-POLICY = engine_core.Policy(NAME, before_rpc=before_rpc, on_update=on_update, before_schedule=before_schedule,
+POLICY = engine_core.Policy(NAME, on_update=on_update, before_schedule=before_schedule,
                             salt_key=salt_key)
 
 
@@ -204,9 +164,11 @@ def apply() -> None:
     config_hook.add_contributor(config_hook.Contributor(NAME, 30, contribute))
     engine_core.require(NAME)
     engine_core.add_policy(POLICY)
+    inflight.require(NAME, honour_env=True)
 
 
 def revert() -> None:
+    inflight.release(NAME)
     engine_core.remove_policy(NAME)
     engine_core.release(NAME)
     config_hook.remove_contributor(NAME)

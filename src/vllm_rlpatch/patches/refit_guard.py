@@ -41,8 +41,8 @@ import time
 import weakref
 from typing import Any
 
-from vllm_rlpatch import _wrapping
-from vllm_rlpatch.hooks import engine_core, layerwise, mixed, wake, weights
+from vllm_rlpatch import _role, _wrapping
+from vllm_rlpatch.hooks import engine_core, inflight, layerwise, mixed, wake, weights, workerctx
 from vllm_rlpatch.registry import PatchSpec
 
 logger = logging.getLogger("vllm.rlpatch")
@@ -117,25 +117,17 @@ def _needs_reload(model: Any, worker: Any) -> bool:
     return v
 
 
-def _lw():
-    return layerwise._lw()
-
-
 def _finish(worker: Any, model: Any, sess: _Session) -> None:
-    from vllm_rlpatch.refit.worker import vllm_config_ctx
-
     _SESSIONS.pop(model, None)
-    with layerwise.using(sess.policy), vllm_config_ctx(worker):
-        _lw().finalize_layerwise_processing(model, worker.model_config)
+    with layerwise.using(sess.policy), workerctx.vllm_config_ctx(worker):
+        layerwise.vllm_layerwise().finalize_layerwise_processing(model, worker.model_config)
 
 
 def _in_rpc() -> bool:
     """Is this load part of an RPC whose end the engine core checks (then one event per RPC)?"""
-    from vllm_rlpatch import plugin
-
-    if plugin.process_role().endswith("worker"):
+    if _role.get().endswith("worker"):
         return True  # a worker process runs nothing but RPCs; the engine core's version check settles them
-    return engine_core._TLS.rpc_guard is not None
+    return engine_core.in_rpc()
 
 
 def _mark_dirty(worker: Any) -> None:
@@ -156,21 +148,19 @@ def route(wrapped, model, worker, args, kwargs):
                 _mark_dirty(worker)
             return result, not defer
     refuse_if_asleep(worker, "model.load_weights")
-    from vllm_rlpatch.refit.worker import abort_open_reload, vllm_config_ctx
-
     sess = _SESSIONS.get(model)
     if sess is None:
-        with vllm_config_ctx(worker):
-            _lw().initialize_layerwise_reload(model)
+        with workerctx.vllm_config_ctx(worker):
+            layerwise.vllm_layerwise().initialize_layerwise_reload(model)
         sess = _SESSIONS[model] = _Session()
     sess.calls += 1
     try:
-        with layerwise.using(sess.policy), vllm_config_ctx(worker):
+        with layerwise.using(sess.policy), workerctx.vllm_config_ctx(worker):
             result = wrapped(*args, **kwargs)
     except BaseException as e:
         processed = sess.policy.findings.processed
         _SESSIONS.pop(model, None)
-        abort_open_reload(worker)
+        layerwise.abort_open_reload(worker)
         if processed:
             _mark_dirty(worker)
             m = mixed.MixedWeights(f"vllm-rlpatch: model.load_weights raised after {processed} layer(s) already took "
@@ -190,9 +180,7 @@ def route(wrapped, model, worker, args, kwargs):
 def settle(worker: Any, raise_mixed: bool = True) -> None:
     """Close a direct-load session left open and fire the update's one event (end of the RPC, or before a
     forward pass). Raises (mixed mark) if a layer is still half-loaded: it keeps its previous weights."""
-    from vllm_rlpatch.refit.worker import model_of
-
-    model = model_of(worker)
+    model = workerctx.model_of(worker)
     sess = _SESSIONS.get(model) if model is not None else None
     if sess is not None:
         try:
@@ -228,28 +216,9 @@ def _before_rpc(g: engine_core.Guard, method: str) -> None:
     if engine_core.starts_update(method) and _weights_asleep(g):
         raise RuntimeError(f"vllm-rlpatch: weight update {method!r} refused: the engine is asleep (its weights are "
                            "offloaded or discarded); call wake_up(tags=['weights']) first")
-    if "prefix_cache" not in engine_core._POLICIES and g.inflight("") == "refuse" and engine_core.starts_update(method):
-        running = g.running()
-        if running:
-            raise RuntimeError(f"vllm-rlpatch: weight update {method!r} refused: {len(running)} request(s) are "
-                               "running (inflight=refuse)")
 
 
-def _on_update(g: engine_core.Guard, info: engine_core.UpdateInfo) -> None:
-    if "prefix_cache" in engine_core._POLICIES:
-        return  # the prefix_cache policy handles in-flight requests (and the cache)
-    policy = g.inflight("keep")
-    if policy == "abort":
-        g.last_update["aborted"] = g.abort_running(f"weights changed (inflight=abort, via {info.source})")
-    elif policy == "recompute" and info.running:
-        try:
-            g.scheduler.reset_prefix_cache(reset_running_requests=True)
-            g.last_update["recomputed"] = info.running
-        except Exception as e:  # noqa: BLE001
-            logger.error("vllm-rlpatch: could not preempt running requests for recompute: %s", e)
-
-
-POLICY = engine_core.Policy(NAME, before_rpc=_before_rpc, on_update=_on_update)
+POLICY = engine_core.Policy(NAME, before_rpc=_before_rpc)
 
 
 # ------------------------------------------------------------------------------------------ front end
@@ -318,6 +287,7 @@ def apply() -> None:
         _unsubscribe = weights.on_weight_update(_on_event)
     engine_core.require(NAME)
     engine_core.add_policy(POLICY)
+    inflight.require(NAME, honour_env=False)
     for lz in _LAZY:
         lz.apply()
     wake.add(NAME, after=_after_wake)
@@ -328,6 +298,7 @@ def revert() -> None:
     wake.remove(NAME)
     for lz in _LAZY:
         lz.revert()
+    inflight.release(NAME)
     engine_core.remove_policy(NAME)
     engine_core.release(NAME)
     if _unsubscribe is not None:

@@ -6,7 +6,7 @@ Why:   RL frameworks that run vLLM as a server (verl, SkyRL, prime-rl, AReaL, TR
        says which weights sampled it.
 How:   wraps the API server's ``build_app`` (``vllm.entrypoints.openai.api_server`` on 0.20/0.25,
        ``vllm.entrypoints.launchers.api_server.entry`` on 0.32) to add ``/rlpatch/v1/{refit, weight_version,
-       describe, fingerprint}`` (:mod:`vllm_rlpatch.refit.http`: JSON only, bearer token, loopback clients
+       describe, fingerprint}`` (:mod:`vllm_rlpatch.refit.http`, handed over by the plugin: JSON only, bearer token, loopback clients
        unless ``VLLM_RLPATCH_HTTP_REMOTE=1``) and an ``x-rlpatch-weight-version`` header; wraps the
        completion / chat-completion response builders so every choice carries ``rlpatch_weight_versions``.
 Targets: vllm.entrypoints.openai.api_server.build_app (0.20/0.25) or
@@ -17,8 +17,13 @@ Upstream: vLLM's dev-mode RL routes (/update_weights, ...) are the closest; not 
 Remove when: never (the plugin's own API surface).
 """
 
-from vllm_rlpatch import _wrapping
+import logging
+from typing import Any, Callable
+
+from vllm_rlpatch import _wrapping, compat
 from vllm_rlpatch.registry import PatchSpec
+
+logger = logging.getLogger("vllm.rlpatch")
 
 NAME = "refit_http"
 BUILD_APP = ("vllm.entrypoints.openai.api_server:build_app",
@@ -28,16 +33,19 @@ COMPLETION = ("vllm.entrypoints.openai.completion.serving:OpenAIServingCompletio
 CHAT = "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_full_generator"
 
 
+# Adds the routes to a built app: the refit layer's (vllm_rlpatch.refit.http.install_routes), handed over by
+# the composition root (vllm_rlpatch.plugin), since the refit layer sits above the patches.
+_ROUTES: Callable[[Any], None] | None = None
+
+
+def set_route_installer(install: Callable[[Any], None] | None) -> None:
+    global _ROUTES
+    _ROUTES = install
+
+
 def _build_app_target() -> str:
     """0.32 builds the app in launchers/api_server/entry.py (importing build_app by name): wrap it there."""
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec("vllm.entrypoints.launchers.api_server.entry") is not None:
-            return BUILD_APP[1]
-    except ImportError:  # no vllm.entrypoints.launchers.api_server package (0.20 - 0.25)
-        pass
-    return BUILD_APP[0]
+    return BUILD_APP[1] if compat.build_app_module() == compat.LAUNCHER_ENTRY else BUILD_APP[0]
 
 
 class _LazyBuildApp(_wrapping.LazyWrap):
@@ -47,21 +55,73 @@ class _LazyBuildApp(_wrapping.LazyWrap):
 
 
 def _build_app(wrapped, instance, args, kwargs):
-    from vllm_rlpatch.refit import http
+    app = wrapped(*args, **kwargs)
+    if _ROUTES is not None:
+        try:
+            _ROUTES(app)
+        except Exception:
+            logger.exception("vllm-rlpatch: could not install the refit routes")
+    return app
 
-    return http.build_app_wrapper(wrapped, instance, args, kwargs)
+
+# ------------------------------------------------------------------------------------------ spans in responses
+def _spans(output) -> list[list[int]] | None:
+    spans = getattr(output, "rlpatch_weight_versions", None)
+    return [list(s) for s in spans] if spans else None
+
+
+def _annotate(choices, outputs) -> None:
+    for choice, out in zip(choices, outputs):
+        spans = _spans(out)
+        if spans is not None:
+            try:
+                setattr(choice, "rlpatch_weight_versions", spans)
+            except Exception:
+                pass
 
 
 def _completion(wrapped, instance, args, kwargs):
-    from vllm_rlpatch.refit import http
-
-    return http.completion_response_wrapper(wrapped, instance, args, kwargs)
+    resp = wrapped(*args, **kwargs)
+    batch = args[0] if args else kwargs.get("final_res_batch")
+    try:
+        outs = [o for r in batch for o in r.outputs]
+        if getattr(resp, "choices", None) is not None and len(outs) == len(resp.choices):
+            _annotate(resp.choices, outs)
+    except Exception:
+        logger.debug("vllm-rlpatch: could not annotate a completion response", exc_info=True)
+    return resp
 
 
 def _chat(wrapped, instance, args, kwargs):
-    from vllm_rlpatch.refit import http
+    last: list[Any] = []
+    args = list(args)
+    key = None
+    if len(args) > 1:
+        gen = args[1]
+    else:
+        key, gen = "result_generator", kwargs.get("result_generator")
 
-    return http.chat_full_wrapper(wrapped, instance, args, kwargs)
+    async def tap(g):
+        async for item in g:
+            last[:] = [item]
+            yield item
+
+    if gen is not None:
+        if key is None:
+            args[1] = tap(gen)
+        else:
+            kwargs[key] = tap(gen)
+
+    async def run():
+        resp = await wrapped(*args, **kwargs)
+        try:
+            if last and getattr(resp, "choices", None) is not None:
+                _annotate(resp.choices, last[0].outputs)
+        except Exception:
+            logger.debug("vllm-rlpatch: could not annotate a chat response", exc_info=True)
+        return resp
+
+    return run()
 
 
 _LAZY = [

@@ -10,7 +10,7 @@ Why:   vLLM 0.20-0.28 choose the torch.distributed TCPStore port by probing (bin
        - 0.20's RayExecutorV2 and the mp/uniproc executors (0.20-0.27) call ``get_open_port()``: with
          ``VLLM_PORT`` set concurrent engines get the same port, and the MessageQueue created next in the
          same process (RayExecutorV2 step 4) can take the port the store was promised.
-How:   the port is picked by :func:`vllm_rlpatch.ports.pick_port`: really free now (a bind probe) and
+How:   the port is picked by :func:`vllm_rlpatch.hooks.ports.pick_port`: really free now (a bind probe) and
        *leased* host-wide (an exclusive flock, ``VLLM_RLPATCH_PORT_LEASE_S``, default 120 s) so no other
        vllm-rlpatch process - another engine's selection, this engine's MessageQueue band
        (``mq_bind_retry`` skips leased ports) - takes it before the store binds. DP off (``master_port``
@@ -35,7 +35,8 @@ import importlib.util
 import logging
 import os
 
-from vllm_rlpatch import _wrapping, ports
+from vllm_rlpatch import _wrapping
+from vllm_rlpatch.hooks import ports
 from vllm_rlpatch.registry import PatchSpec
 
 logger = logging.getLogger("vllm.rlpatch")
@@ -89,19 +90,18 @@ def _get_open_port_wrapper(wrapped, instance, args, kwargs):
     return pick_store_port()
 
 
-_active = False
-
-
-def _install_for(module_name: str):
-    def hook(module=None) -> None:
-        if not _active:
-            return
+def _targets_for(module_name: str):
+    """The Ray v2 executor selects its port in ``_select_tcpstore_port`` where it has one (else through its
+    ``get_open_port``); the others call ``get_open_port``."""
+    def targets() -> dict:
         if module_name == RAY_V2 and _wrapping.target_exists(SELECT):
-            _wrapping.wrap(SELECT, _select_wrapper, NAME)
-        elif _wrapping.target_exists(GOP[module_name]):
-            _wrapping.wrap(GOP[module_name], _get_open_port_wrapper, NAME)
+            return {SELECT: _select_wrapper}
+        return {GOP[module_name]: _get_open_port_wrapper} if _wrapping.target_exists(GOP[module_name]) else {}
 
-    return hook
+    return targets
+
+
+_LATE = [_wrapping.LateWraps(m, _targets_for(m), NAME) for m in (RAY_V2, UNIPROC, MULTIPROC)]
 
 
 def _source(module: str) -> str:
@@ -122,18 +122,14 @@ def probe() -> bool:
 
 
 def apply() -> None:
-    global _active
-    from vllm_rlpatch._startup import when_imported
-
-    _active = True
-    for m in (RAY_V2, UNIPROC, MULTIPROC):
-        when_imported(m, _install_for(m))
+    for late in _LATE:
+        late.apply()
 
 
 def revert() -> None:
-    global _active
-    _active = False
-    for t in TARGETS:
+    for late in _LATE:
+        late.revert()
+    for t in TARGETS:  # a target wrapped by an earlier choice (nothing when there is none)
         _wrapping.unwrap(t, NAME)
 
 

@@ -27,12 +27,17 @@ from vllm_rlpatch.registry import PatchSpec
 NAME = "weight_events"
 
 
+POLICY = engine_core.Policy(NAME, tags_outputs=True)
+
+
 def apply() -> None:
     weights.install()
     engine_core.require(NAME)
+    engine_core.add_policy(POLICY)
 
 
 def revert() -> None:
+    engine_core.remove_policy(NAME)
     engine_core.release(NAME)
     weights.uninstall()
 

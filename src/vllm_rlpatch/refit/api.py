@@ -28,8 +28,9 @@ from vllm_rlpatch.refit import checks
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.cuda_ipc import EngineLayout, ipc_handles
 from vllm_rlpatch.refit.dist import DistSender
+from vllm_rlpatch.refit.resolve import resolve
 from vllm_rlpatch.refit.shm import ShmPool, ShmSender
-from vllm_rlpatch.refit.target import AsyncTarget, Target, is_async_llm, resolve
+from vllm_rlpatch.refit.target import AsyncTarget, Target, is_async_llm
 
 logger = logging.getLogger("vllm.rlpatch")
 

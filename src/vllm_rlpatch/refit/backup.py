@@ -23,9 +23,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
+
+from vllm_rlpatch import envs
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -47,8 +49,6 @@ def _available_host_bytes() -> int | None:
 def host_cap() -> int:
     """The most host memory a backup may take: ``VLLM_RLPATCH_BACKUP_HOST_BYTES``, else half of the host's
     available memory (read when the arena is sized)."""
-    from vllm_rlpatch import envs
-
     v = envs.BACKUP_HOST_BYTES.get()
     if v is not None:
         return int(v)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Generator
 
-from vllm_rlpatch.hooks import mixed
+from vllm_rlpatch.hooks import mixed, weights
+from vllm_rlpatch.refit import protocol as P
 
 Rpc = tuple[str, tuple, dict]
 PREPARE, COMMIT, ABORT, RELEASE = ("rlpatch_refit_prepare", "rlpatch_refit_commit", "rlpatch_refit_abort",
@@ -136,8 +137,6 @@ async def run_async(gen: Generator, rpc) -> Any:
 def finish(front: Any, out: dict[str, Any]) -> dict[str, Any]:
     """What the front end holds after an update: a committed one clears a mixed state (and counts as an
     update on this side); a mixed outcome makes the front end refuse requests."""
-    from vllm_rlpatch.hooks import weights
-
     if out.get("ok") and out.get("state") == "committed":
         mixed.clear(front)
         weights.fire(front, "rlpatch_refit", "frontend", version=out.get("version"))
@@ -148,9 +147,18 @@ def finish(front: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _unchanged_on_error(e: BaseException) -> dict[str, Any]:
-    from vllm_rlpatch.refit.target import rpc_error_to_refit
+def rpc_error_to_refit(e: BaseException, what: str) -> P.RefitError:
+    msg = str(e)
+    if "asleep" in msg or "refused" in msg:
+        return P.RefitError(msg.split("\n")[0], kind="refused")
+    if "has no attribute 'rlpatch_" in msg or "rlpatch_refit" in msg and "AttributeError" in msg:
+        return P.RefitError(f"{what}: the engine's workers have no rlpatch_* methods: vllm-rlpatch is not active in "
+                            "the engine's processes (not installed there, VLLM_PLUGINS excludes 'rlpatch', or "
+                            "VLLM_RLPATCH_ENABLED=0 / VLLM_RLPATCH_WORKER_EXTENSION=0)", kind="refused")
+    return P.RefitError(f"{what}: {type(e).__name__}: {msg}", kind="commit")
 
+
+def _unchanged_on_error(e: BaseException) -> dict[str, Any]:
     err = rpc_error_to_refit(e, "refit")
     return {"ok": False, "state": "unchanged", "kind": err.kind, "message": str(err), "problems": []}
 

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import torch
 
 from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.resolve import resolve
 from vllm_rlpatch.refit.source import Source
 
 _HANDLES: dict[int, tuple[Any, int, bytes]] = {}  # id(tensor) -> (weakref, data_ptr, pickled handle)
@@ -161,8 +162,6 @@ class EngineLayout:
     earlier complete update (the first ``push_weights`` of ordinary tensors records it)."""
 
     def __init__(self, target: Any, device: Any = None):
-        from vllm_rlpatch.refit.target import resolve
-
         tgt = resolve(target)
         if tgt.kind == "http":
             raise P.RefitError("EngineLayout needs CUDA IPC, which is not offered over HTTP", kind="validation")

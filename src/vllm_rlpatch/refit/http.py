@@ -1,4 +1,4 @@
-"""Refit over HTTP: routes on ``vllm serve`` (installed by the ``refit_http`` patch) and the client target.
+"""Refit over HTTP: routes on ``vllm serve`` (installed through the ``refit_http`` patch, wired by the plugin) and the client target.
 
 Routes (JSON only, never pickle; every one needs ``Authorization: Bearer <token>``, and by default the
 client must be on loopback, see ``VLLM_RLPATCH_HTTP_REMOTE``):
@@ -26,6 +26,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from vllm_rlpatch import envs
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.coordinator import coordinate_on_async, run_async
 from vllm_rlpatch.refit.target import Target
@@ -41,8 +42,6 @@ def token_path(port: int | str) -> str:
 
 
 def _server_token(port: Any) -> tuple[str, str]:
-    from vllm_rlpatch import envs
-
     tok = envs.HTTP_TOKEN.get()
     if tok:
         return tok, "VLLM_RLPATCH_HTTP_TOKEN"
@@ -86,8 +85,6 @@ def install_routes(app: Any) -> None:
         return
     from fastapi import APIRouter, Request
     from fastapi.responses import JSONResponse
-
-    from vllm_rlpatch import envs
 
     args = getattr(app.state, "args", None)
     port = getattr(args, "port", None) or "default"
@@ -165,75 +162,6 @@ def _rpc(engine):
     return rpc
 
 
-def build_app_wrapper(wrapped, instance, args, kwargs):
-    app = wrapped(*args, **kwargs)
-    try:
-        install_routes(app)
-    except Exception:
-        logger.exception("vllm-rlpatch: could not install the refit routes")
-    return app
-
-
-# ------------------------------------------------------------------------------------------ spans in responses
-def _spans(output) -> list[list[int]] | None:
-    spans = getattr(output, "rlpatch_weight_versions", None)
-    return [list(s) for s in spans] if spans else None
-
-
-def _annotate(choices, outputs) -> None:
-    for choice, out in zip(choices, outputs):
-        spans = _spans(out)
-        if spans is not None:
-            try:
-                setattr(choice, "rlpatch_weight_versions", spans)
-            except Exception:
-                pass
-
-
-def completion_response_wrapper(wrapped, instance, args, kwargs):
-    resp = wrapped(*args, **kwargs)
-    batch = args[0] if args else kwargs.get("final_res_batch")
-    try:
-        outs = [o for r in batch for o in r.outputs]
-        if getattr(resp, "choices", None) is not None and len(outs) == len(resp.choices):
-            _annotate(resp.choices, outs)
-    except Exception:
-        logger.debug("vllm-rlpatch: could not annotate a completion response", exc_info=True)
-    return resp
-
-
-def chat_full_wrapper(wrapped, instance, args, kwargs):
-    last: list[Any] = []
-    args = list(args)
-    key = None
-    if len(args) > 1:
-        gen = args[1]
-    else:
-        key, gen = "result_generator", kwargs.get("result_generator")
-
-    async def tap(g):
-        async for item in g:
-            last[:] = [item]
-            yield item
-
-    if gen is not None:
-        if key is None:
-            args[1] = tap(gen)
-        else:
-            kwargs[key] = tap(gen)
-
-    async def run():
-        resp = await wrapped(*args, **kwargs)
-        try:
-            if last and getattr(resp, "choices", None) is not None:
-                _annotate(resp.choices, last[0].outputs)
-        except Exception:
-            logger.debug("vllm-rlpatch: could not annotate a chat response", exc_info=True)
-        return resp
-
-    return run()
-
-
 # ------------------------------------------------------------------------------------------ client
 class HttpTarget(Target):
     """``http://host:port`` of a ``vllm serve`` started with the plugin."""
@@ -251,7 +179,6 @@ class HttpTarget(Target):
     def token(self) -> str:
         if self._token:
             return self._token
-        from vllm_rlpatch import envs
 
         tok = envs.HTTP_TOKEN.get()
         if tok:

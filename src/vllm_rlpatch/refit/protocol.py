@@ -16,6 +16,8 @@ from typing import Any, Iterable
 
 import torch
 
+from vllm_rlpatch.refit import checks
+
 ALIGN = 64  # byte alignment of every tensor inside a bucket / shared-memory segment
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -117,8 +119,6 @@ def assign_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[int]:
 def fingerprints(tensors: Iterable[torch.Tensor]) -> list[str]:
     """Checksums of many tensors (:mod:`vllm_rlpatch.refit.checks`: one fused pass, one launch per dtype class
     on a GPU)."""
-    from vllm_rlpatch.refit import checks
-
     return checks.keys(tensors)
 
 
@@ -127,8 +127,6 @@ def fingerprint(t: torch.Tensor) -> str:
 
 
 def nonfinite_counts(tensors: list[torch.Tensor]) -> list[int]:
-    from vllm_rlpatch.refit import checks
-
     return [d.nonfinite for d in checks.digests(tensors)]
 
 

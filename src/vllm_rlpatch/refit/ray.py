@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.target import Target, is_engine, resolve
+from vllm_rlpatch.refit.target import Target, is_engine, local_target
 
 
 def _find_engine(actor: Any, attr: str | None) -> Any:
@@ -37,20 +37,20 @@ def _find_engine(actor: Any, attr: str | None) -> Any:
 def _in_actor_describe(actor: Any, attr: str | None) -> dict[str, Any]:
     import ray
 
-    tgt = resolve(_find_engine(actor, attr))
+    tgt = local_target(_find_engine(actor, attr))
     return {"workers": tgt.describe(), "node": ray.get_runtime_context().get_node_id()}
 
 
 def _in_actor_run(actor: Any, attr: str | None, req: dict[str, Any]) -> dict[str, Any]:
-    return resolve(_find_engine(actor, attr)).run(req)
+    return local_target(_find_engine(actor, attr)).run(req)
 
 
 def _in_actor_call(actor: Any, attr: str | None, method: str) -> list:
-    return resolve(_find_engine(actor, attr)).call(method)
+    return local_target(_find_engine(actor, attr)).call(method)
 
 
 def _in_actor_version(actor: Any, attr: str | None) -> int:
-    return resolve(_find_engine(actor, attr)).version()
+    return local_target(_find_engine(actor, attr)).version()
 
 
 class RayTarget(Target):

@@ -35,7 +35,9 @@ from vllm_rlpatch.hooks import mixed
 from vllm_rlpatch.refit import coordinator as C
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.api import Options, Outgoing, RefitReport, build_report, schema_for
-from vllm_rlpatch.refit.target import AsyncTarget, LocalTarget, resolve
+from vllm_rlpatch.refit.coordinator import rpc_error_to_refit
+from vllm_rlpatch.refit.resolve import resolve
+from vllm_rlpatch.refit.target import AsyncTarget, LocalTarget
 
 _SESSION_STATE = "a multi-call weight update (refit_session) is in progress"
 
@@ -128,7 +130,6 @@ class RefitSession:
         try:
             return C.run_sync(gen, self.tgt.rpc)
         except Exception as e:  # noqa: BLE001 - an RPC raised: the engine core refused, or the engine died
-            from vllm_rlpatch.refit.target import rpc_error_to_refit
 
             err = rpc_error_to_refit(e, "refit session")
             return {"ok": False, "state": "unchanged" if not self.parts else "writing", "kind": err.kind,

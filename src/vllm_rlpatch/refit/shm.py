@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from vllm_rlpatch import envs
 from vllm_rlpatch.refit import checks
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.source import Source
@@ -31,8 +32,6 @@ _PREFIX = "vllm-rlpatch-"
 
 
 def shm_dir() -> str:
-    from vllm_rlpatch import envs
-
     return envs.REFIT_SHM_DIR.get() or "/dev/shm"
 
 

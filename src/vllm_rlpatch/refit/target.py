@@ -13,6 +13,7 @@ import asyncio
 from typing import Any
 
 from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.coordinator import coordinate_on, coordinate_on_async, rpc_error_to_refit, run_async, run_sync
 
 
 class Target:
@@ -41,17 +42,6 @@ class Target:
         raise P.RefitError(f"a {self.kind} target does not take raw worker RPCs in this process", kind="validation")
 
 
-def rpc_error_to_refit(e: BaseException, what: str) -> P.RefitError:
-    msg = str(e)
-    if "asleep" in msg or "refused" in msg:
-        return P.RefitError(msg.split("\n")[0], kind="refused")
-    if "has no attribute 'rlpatch_" in msg or "rlpatch_refit" in msg and "AttributeError" in msg:
-        return P.RefitError(f"{what}: the engine's workers have no rlpatch_* methods: vllm-rlpatch is not active in "
-                            "the engine's processes (not installed there, VLLM_PLUGINS excludes 'rlpatch', or "
-                            "VLLM_RLPATCH_ENABLED=0 / VLLM_RLPATCH_WORKER_EXTENSION=0)", kind="refused")
-    return P.RefitError(f"{what}: {type(e).__name__}: {msg}", kind="commit")
-
-
 class LocalTarget(Target):
     """A ``vllm.LLM``/``LLMEngine`` in this process (synchronous RPCs)."""
 
@@ -74,8 +64,6 @@ class LocalTarget(Target):
             raise rpc_error_to_refit(e, "describe") from e
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
-        from vllm_rlpatch.refit.coordinator import coordinate_on, run_sync
-
         return coordinate_on(self.front, req, lambda g: run_sync(g, self.rpc))
 
     def version(self) -> int:
@@ -136,8 +124,6 @@ class AsyncTarget(Target):
         return self.sync(self.run_async(req))
 
     async def run_async(self, req: dict[str, Any]) -> dict[str, Any]:
-        from vllm_rlpatch.refit.coordinator import coordinate_on_async, run_async
-
         return await coordinate_on_async(self.front, req, lambda g: run_async(g, self.rpc_async))
 
     def version(self) -> int:
@@ -160,23 +146,6 @@ def is_engine(obj: Any) -> bool:
                                                                       or hasattr(obj, "engine_core")))
 
 
-def resolve(target: Any) -> Target:
-    if isinstance(target, Target):
-        return target
-    if isinstance(target, str):
-        if target.startswith(("http://", "https://")):
-            from vllm_rlpatch.refit.http import HttpTarget
-
-            return HttpTarget(target)
-        raise P.RefitError(f"target {target!r}: a string target must be the base URL of `vllm serve` "
-                           "(http://host:port)", kind="validation")
-    if is_ray_handle(target):
-        from vllm_rlpatch.refit.ray import RayTarget
-
-        return RayTarget(target)
-    if is_async_llm(target):
-        return AsyncTarget(target)
-    if is_engine(target):
-        return LocalTarget(target)
-    raise P.RefitError(f"unsupported target {type(target).__name__}: pass a vllm.LLM, an AsyncLLM, a Ray actor "
-                       "handle hosting one, or the base URL of `vllm serve`", kind="validation")
+def local_target(engine: Any) -> Target:
+    """The target for an engine object in this process (a ``vllm.LLM`` / ``LLMEngine`` or an ``AsyncLLM``)."""
+    return AsyncTarget(engine) if is_async_llm(engine) else LocalTarget(engine)

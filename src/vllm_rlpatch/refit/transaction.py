@@ -50,17 +50,23 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from typing import Any, Iterator
 
 import torch
 
-from vllm_rlpatch.hooks import mixed
+from vllm_rlpatch import envs
+from vllm_rlpatch.hooks import layerwise, mixed, wake, weights, workerctx
 from vllm_rlpatch.refit import backup as B
 from vllm_rlpatch.refit import checks
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.source import Source, make_source
+from vllm_rlpatch.refit.cuda_ipc import IpcSource, LayoutSource
+from vllm_rlpatch.refit.dist import DistSource
+from vllm_rlpatch.refit.plan import CopyPlan, PlanError
+from vllm_rlpatch.refit.shm import ShmSource
+from vllm_rlpatch.refit.source import Source
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -166,15 +172,11 @@ class WorkerRefit:
 
     @property
     def model(self):
-        from vllm_rlpatch.refit.worker import model_of
-
-        return model_of(self.worker)
+        return workerctx.model_of(self.worker)
 
     @property
     def device(self) -> torch.device:
-        from vllm_rlpatch.refit.worker import device_of
-
-        return device_of(self.worker)
+        return workerctx.device_of(self.worker)
 
     @property
     def rank(self) -> int:
@@ -280,8 +282,6 @@ class WorkerRefit:
                              P.summarize(probs), stages, tx.checks, probs)
             version = req.get("version")
             if new and version is not None:
-                from vllm_rlpatch.hooks import weights
-
                 cur = weights.weight_version(self.worker)
                 if int(version) <= cur:
                     return _fail("validation", "unchanged", f"version {version} is not greater than the engine's "
@@ -411,8 +411,6 @@ class WorkerRefit:
         if want == "validate-then-write":
             tx.guarantee = want
             return None
-        from vllm_rlpatch.hooks import wake
-
         if wake.weights_discarded(self.worker):
             # after sleep(level=2) the weight memory holds no valid weights: a backup would restore garbage
             if want == "rollback":
@@ -525,13 +523,9 @@ class WorkerRefit:
             return self._failed(tx, error, findings)
         if not final:
             return self._result(tx, ok=True, state="writing", findings=findings.as_dict() if findings else None)
-        from vllm_rlpatch.hooks import weights
-
         tx.committed = True
         mixed.clear_worker()
         if not tx.partial:
-            from vllm_rlpatch.hooks import wake
-
             wake.set_discarded(self.worker, False)  # valid weights again
         ev = weights.fire(self.worker, "rlpatch_refit", "worker", version=version)
         out = self._result(tx, ok=True, state="committed", version=ev.version,
@@ -677,37 +671,34 @@ class WorkerRefit:
         tx.check(f"backup_{'device' if tx.backup_kind == 'device' else 'host'}")
 
     def _write_layerwise(self, tx: _Tx, part: _Part, final: bool):
-        from vllm_rlpatch.hooks import layerwise, weights
-        from vllm_rlpatch.refit.worker import abort_open_reload, lora_unwrapped, vllm_config_ctx
-
         self._backup_state(tx)
         worker, model = self.worker, self.model
         t1 = _now()
         if not tx.session:
             with layerwise.strict(require_full=not tx.partial) as pol, weights.suppressed(), \
-                    vllm_config_ctx(worker), lora_unwrapped(model):
+                    workerctx.vllm_config_ctx(worker), workerctx.lora_unwrapped(model):
                 try:
                     worker.reload_weights(weights_iterator=self._iter_part(tx, part, pol))
                 finally:
                     if layerwise.reload_active(model):  # the load raised half-way: put every layer back
-                        abort_open_reload(worker)
+                        layerwise.abort_open_reload(worker)
             tx.written = tx.written or pol.findings.processed > 0
             tx.stage("write", _now() - t1)
             tx.check("strict_reload")
             return pol.findings
         # a session: one reload spans the parts; vLLM buffers a layer until all its parts arrived
-        lw = layerwise._lw()
+        lw = layerwise.vllm_layerwise()
         if not tx.reload_open:
             tx.policy = layerwise.Policy(require_full=False)
-            with vllm_config_ctx(worker), lora_unwrapped(model):
+            with workerctx.vllm_config_ctx(worker), workerctx.lora_unwrapped(model):
                 lw.initialize_layerwise_reload(model)
             tx.reload_open = True
-        with layerwise.using(tx.policy), weights.suppressed(), vllm_config_ctx(worker), lora_unwrapped(model):
+        with layerwise.using(tx.policy), weights.suppressed(), workerctx.vllm_config_ctx(worker), workerctx.lora_unwrapped(model):
             try:
                 model.load_weights(self._iter_part(tx, part, tx.policy))
             except BaseException:
                 tx.reload_open = False
-                abort_open_reload(worker)
+                layerwise.abort_open_reload(worker)
                 raise
         tx.written = tx.written or tx.policy.findings.processed > 0
         tx.stage("write", _now() - t1)
@@ -715,14 +706,11 @@ class WorkerRefit:
         return tx.policy.findings
 
     def _finish_layerwise(self, tx: _Tx):
-        from vllm_rlpatch.hooks import layerwise, weights
-        from vllm_rlpatch.refit.worker import lora_unwrapped, vllm_config_ctx
-
         worker, model = self.worker, self.model
         tx.reload_open = False
         t1 = _now()
-        with layerwise.using(tx.policy), weights.suppressed(), vllm_config_ctx(worker), lora_unwrapped(model):
-            layerwise._lw().finalize_layerwise_processing(model, worker.model_config)
+        with layerwise.using(tx.policy), weights.suppressed(), workerctx.vllm_config_ctx(worker), workerctx.lora_unwrapped(model):
+            layerwise.vllm_layerwise().finalize_layerwise_processing(model, worker.model_config)
         tx.stage("write", _now() - t1)
         return tx.policy.findings
 
@@ -742,8 +730,6 @@ class WorkerRefit:
     # --------------------------------------------------------------- the copy plan
     def _capture_plan(self, tx: _Tx, part: _Part | None) -> None:
         """Record and verify the copy plan after a complete layerwise update (GPU, unquantized, no LoRA)."""
-        from vllm_rlpatch.refit.plan import CopyPlan, PlanError
-
         w = self.worker
         if getattr(w.model_config, "quantization", None) is not None:
             self.plan, self.plan_note = False, "not used: quantized model (post-processing changes the weights)"
@@ -783,10 +769,8 @@ class WorkerRefit:
             msg = error.mixed.reason
         probs = error.problems if isinstance(error, P.RefitError) else []
         if tx.reload_open:
-            from vllm_rlpatch.refit.worker import abort_open_reload
-
             tx.reload_open = False
-            abort_open_reload(self.worker)
+            layerwise.abort_open_reload(self.worker)
         state, note = self._undo(tx)
         if note:
             msg = f"{msg} ({note})"
@@ -836,16 +820,12 @@ class WorkerRefit:
 
     def abort(self, txid: str) -> dict[str, Any]:
         """Drop a prepared update, or undo a written one (another rank failed; a session ended by an error)."""
-        from vllm_rlpatch.hooks import weights
-
         tx = self.txs.get(txid)
         if tx is None:
             return {"ok": True, "state": "unchanged", "note": "nothing to abort"}
         if tx.reload_open:
-            from vllm_rlpatch.refit.worker import abort_open_reload
-
             tx.reload_open = False
-            abort_open_reload(self.worker)
+            layerwise.abort_open_reload(self.worker)
         if not tx.written:
             self._drop(txid)
             return {"ok": True, "state": "unchanged"}
@@ -927,8 +907,6 @@ class WorkerRefit:
                 "params": len(params)}
 
     def fingerprint(self) -> dict[str, Any]:
-        from vllm_rlpatch.refit.worker import weights_fingerprint
-
         fp, per = weights_fingerprint(self.model)
         return {"fingerprint": fp, "tensors": len(per), "rank": self.rank}
 
@@ -961,8 +939,6 @@ def math_prod(shape) -> int:
 
 
 def _fault_injection_allowed() -> bool:
-    from vllm_rlpatch import envs
-
     return bool(envs.FAULT_INJECTION.get())
 
 
@@ -994,3 +970,45 @@ def _named_tensor(model, name: str):
     if t is None:
         t = mod._buffers.get(leaf)
     return t
+
+
+def weights_fingerprint(model) -> tuple[str, dict[str, str]]:
+    named = []
+    seen = set()
+    for n, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if id(t) in seen or t.is_meta:
+            continue
+        seen.add(id(t))
+        named.append((n, t))
+    named.sort(key=lambda x: x[0])
+    fps = P.fingerprints([t for _, t in named])
+    per = dict(zip([n for n, _ in named], fps))
+    return P.combine(f"{n}={f}" for n, f in per.items()), per
+
+
+_REFITS: "weakref.WeakKeyDictionary[Any, WorkerRefit]" = weakref.WeakKeyDictionary()
+_REFITS_LOCK = threading.RLock()
+
+
+def for_worker(worker: Any) -> WorkerRefit:
+    """The worker's transaction object (one per worker), which the ``rlpatch_refit_*`` worker methods call."""
+    with _REFITS_LOCK:
+        r = _REFITS.get(worker)
+        if r is None:
+            r = _REFITS[worker] = WorkerRefit(worker)
+        return r
+
+
+def make_source(req: dict[str, Any], metas: list[P.TensorMeta], worker: Any, device: torch.device) -> Source:
+    tr = req["transport"]
+    kind = tr["kind"]
+    if kind == "shm":
+        return ShmSource(metas, tr)
+    if kind == "dist":
+        rank = int(tr.get("rank_base", 1)) + int(getattr(worker, "rank", 0) or 0)
+        return DistSource(metas, tr, rank, device)
+    if kind == "cuda_ipc":
+        return IpcSource(metas, tr, device)
+    if kind == "cuda_ipc_layout":
+        return LayoutSource(metas, tr, device)
+    raise P.RefitError(f"unknown transport {kind!r}", kind="validation")

@@ -20,14 +20,16 @@ they give zero spread and prove nothing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from vllm_rlpatch import envs, registry
+from vllm_rlpatch.tools import options, parity, plot, usermodel
+from vllm_rlpatch.tools.parity import Reference
 
 BUCKETS = ((0, 16), (16, 32), (32, 64), (64, 128), (128, 1 << 30))
 STATS = ("length_mean", "length_p90", "truncation_rate", "eos_rate", "abort_rate", "logprob_mean",
@@ -68,8 +70,6 @@ def _fit(model: str, prompts: list[str] | None, num: int | None, max_model_len: 
          max_tokens: int) -> tuple[list[Any], str | None]:
     """Prompts that fit ``max_model_len - max_tokens`` tokens of this model: the embedded grammar's with fewer
     sentences where needed, a user's cut to their last tokens (with a note saying how many)."""
-    from vllm_rlpatch import parity, usermodel
-
     if prompts is None:
         (fitted,), note = parity.fitted_prompts(model, num or 16, 1, 1234, max_model_len, max_tokens, sentences=6)
         return fitted, note
@@ -93,44 +93,41 @@ def _head_dtype(mc) -> str:
     hf = getattr(mc, "hf_overrides", None)
     if isinstance(hf, dict) and "head_dtype" in hf:
         return str(hf["head_dtype"])
-    from vllm_rlpatch import registry
 
     st = {s.name: s.state for s in registry.status()}
     return "float32 (fp32_lm_head, in the workers)" if st.get("fp32_lm_head") == "applied" else "model dtype"
 
 
 def _rlpatch_status() -> dict[str, Any]:
-    from vllm_rlpatch import envs, registry
-
     st = registry.status()
     return {"enabled": bool(envs.ENABLED.get()), "applied": sorted(s.name for s in st if s.state == "applied")}
 
 
 def dump(argv: list[str]) -> int:
-    from vllm_rlpatch import parity, usermodel
-
-    ap = argparse.ArgumentParser(prog="vllm-rlpatch rollout-dump", description="Sample every prompt n times with "
-                                 "one seed per run; one JSON line per sample.")
+    ap = options.parser("vllm-rlpatch rollout-dump", "Sample every prompt n times with one seed per run; one JSON "
+                        "line per sample.")
     ap.add_argument("--model", default="llama-tiny", help="a local model directory, an embedded model name, or a hub id "
-                                                          "in the local Hugging Face cache (default llama-tiny)")
+                                                          "in the local Hugging Face cache")
     ap.add_argument("--allow-download", action="store_true",
                     help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--prompts", help="a text file (one prompt per line) or JSONL with a \"prompt\" field")
     g.add_argument("--embedded", action="store_true", help="the embedded grammar's prompts (the default)")
     ap.add_argument("--num-prompts", type=int, default=None, help="use the first K prompts (embedded: 16)")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--seed", type=int, default=None, help="seed of this run (default 1)")
     ap.add_argument("--seeds", default=None, help="several runs from one engine: 1,2,3 (--out needs {seed})")
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--top-p", type=float, default=0.9)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    ap.add_argument("--top-p", type=float, default=0.9, help="top-p")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k, 0 = off")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per sample")
+    ap.add_argument("--ignore-eos", action="store_true", help="every sample has --max-tokens tokens")
     ap.add_argument("--engine-args", default=None, help="JSON dict of vllm.LLM arguments (override the defaults)")
     ap.add_argument("--out", required=True, help="RUN.jsonl (with --seeds: a path containing {seed}; {run} is the "
                                                  "run's index)")
+    options.add_log_options(ap)
     args = ap.parse_args(argv)
+    options.apply_log_options(args)
     try:
         if args.seeds and args.seed is not None:
             raise RolloutError("give --seed or --seeds, not both")
@@ -424,11 +421,11 @@ def _split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
 
 
 def diff(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="vllm-rlpatch rollout-diff",
+    ap = options.parser(prog="vllm-rlpatch rollout-diff",
                                  description="A vs B over repeated runs (>= 2 per side, different seeds).")
     ap.add_argument("--reference", help="model path: adds token_mult_prob_error against a float32 transformers "
                                         "reference with each run's sampling transform")
-    ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates (default 1000)")
+    ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates")
     ap.add_argument("--stats", help="comma-separated subset of: " + ", ".join(STATS))
     ap.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
     ap.add_argument("--json", help="write the report here")
@@ -475,33 +472,11 @@ def diff(argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     if args.plot:
-        _plot(report, args.plot)
+        if plot.available():
+            plot.diff_plot(report, args.plot)
+        else:
+            print(plot.missing_message(f"vllm-rlpatch rollout-diff: plot {args.plot}"), file=sys.stderr)
     return 0
-
-
-def _plot(report: dict, path: str) -> None:
-    from PIL import Image, ImageDraw
-
-    from vllm_rlpatch.plot import _font
-
-    rows = list(report["stats"].items())
-    W, row_h, left = 900, 26, 240
-    img = Image.new("RGB", (W, 70 + row_h * len(rows)), "white")
-    d = ImageDraw.Draw(img)
-    d.text((10, 8), "B - A in units of the larger within-side run range (|x| > 1 and CI excluding 0: flagged)",
-           fill="black", font=_font(14))
-    x0, scale = left + (W - left - 20) // 2, (W - left - 40) / 2 / 5.0
-    d.line([(x0, 40), (x0, 60 + row_h * len(rows))], fill=(120, 120, 120))
-    for k in (-1, 1):
-        d.line([(x0 + k * scale, 40), (x0 + k * scale, 60 + row_h * len(rows))], fill=(200, 200, 200))
-    for i, (name, r) in enumerate(rows):
-        y = 50 + i * row_h
-        unit = r["within_side_range"] or (abs(r["diff"]) or 1.0)
-        v = max(-5.0, min(5.0, r["diff"] / unit)) if unit else 0.0
-        d.text((10, y), name, fill="black", font=_font(12))
-        color = (200, 60, 40) if r["flag"] else (70, 110, 190)
-        d.rectangle([min(x0, x0 + v * scale), y + 3, max(x0, x0 + v * scale), y + row_h - 8], fill=color)
-    img.save(path)
 
 
 def _reference(arg: str | None):
@@ -510,9 +485,6 @@ def _reference(arg: str | None):
     if not arg:
         return None
     import importlib.util
-
-    from vllm_rlpatch import usermodel
-    from vllm_rlpatch.parity import Reference
 
     path = usermodel.resolve(arg, flag="--reference")
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
@@ -523,7 +495,7 @@ def _reference(arg: str | None):
 
 # ------------------------------------------------------------------------------------------ bounds
 def bounds(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="vllm-rlpatch bounds",
+    ap = options.parser(prog="vllm-rlpatch bounds",
                                  description="A floor and a ceiling for one statistic from repeated measured runs.")
     ap.add_argument("runs", nargs="+", help="rollout-dump files (different seeds)")
     ap.add_argument("--metric", required=True, help="one of: " + ", ".join(STATS))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from vllm_rlpatch import envs
+from vllm_rlpatch.patches import ALL_PATCHES
+from vllm_rlpatch.tools import upstream
+
 
 def rows() -> list[dict[str, str]]:
-    from vllm_rlpatch.patches import ALL_PATCHES
-
     return [{"name": s.name, "summary": s.summary, "vllm": s.vllm, "fixed_in": s.fixed_in or "—",
              "toggle": _toggle(s), "upstream": s.upstream}
             for s in ALL_PATCHES]
@@ -28,12 +30,15 @@ def markdown() -> str:
 
 
 def plain() -> str:
-    return "\n".join(f"{r['name']:<18} {r['vllm']:<10} {r['toggle']:<48} {r['summary']}" for r in rows())
+    """Columns as wide as their longest entry (name, vLLM range, toggle), then the summary."""
+    rs = rows()
+    head = {"name": "patch", "vllm": "vLLM", "toggle": "toggle", "summary": "what it does"}
+    w = {k: max(len(r[k]) for r in [head, *rs]) for k in ("name", "vllm", "toggle")}
+    line = lambda r: f"{r['name']:<{w['name']}}  {r['vllm']:<{w['vllm']}}  {r['toggle']:<{w['toggle']}}  {r['summary']}"
+    return "\n".join([line(head), *(line(r) for r in rs)])
 
 
 def env_markdown() -> str:
-    from vllm_rlpatch import envs
-
     out = ["| variable | default | meaning |", "|---|---|---|"]
     for v in envs.all_vars():
         default = {True: "1", False: "0", None: "unset"}.get(v.default, str(v.default))
@@ -51,7 +56,6 @@ def regenerate_readme(path: str) -> bool:
     """Rewrite the generated sections of the README in place. Returns True if it changed."""
     with open(path, encoding="utf-8") as fh:
         old = fh.read()
-    from vllm_rlpatch import upstream
 
     new = replace_between(replace_between(old, "patch-table", markdown()), "env-table", env_markdown())
     if "<!-- upstream-table:start -->" in new:

@@ -1,28 +1,21 @@
-"""``vllm-rlpatch`` command line.
+"""vllm-rlpatch: makes the vLLM rollout engine correct for RL; these commands show and measure what it does.
 
-    vllm-rlpatch doctor [--json] [--model PATH] [engine args...]
-    vllm-rlpatch demo   [--model NAME|PATH] [--temperature T] [--top-p P] [--max-tokens N]
-    vllm-rlpatch patches [--markdown]
-    vllm-rlpatch parity  [--model PATH] [--temperature T] [--top-p P] [--top-k K] [--runs N]
-                         [--json PATH] [--plot PATH.png] [--max-error X] ...
-    vllm-rlpatch kv-pin  --model PATH [--trainer-reserve-gib N] [--margin-gib M] [--level 1|2]
-                         [--rollout-tokens N | --max-concurrent-seqs S --seq-len L] [--json OUT] [engine args...]
-    vllm-rlpatch rollout-dump --model PATH --embedded|--prompts FILE [--n N] [--seeds 1,2,3] --out RUN{seed}.jsonl
-    vllm-rlpatch rollout-diff A1.jsonl A2.jsonl ... -- B1.jsonl B2.jsonl ... [--reference MODEL] [--json] [--plot]
-    vllm-rlpatch bounds RUN.jsonl ... --metric NAME [--margin X]
-    vllm-rlpatch upstream [--list | --markdown | --show NAME | --check [NAME] | --path NAME]
+usage: vllm-rlpatch COMMAND [options]      (vllm-rlpatch COMMAND --help: the command's options and defaults)
+       vllm-rlpatch --version
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from vllm_rlpatch import __version__
+from vllm_rlpatch.envs import EnvError
+from vllm_rlpatch.tools import demo, doctor, kvpin, options, parity, rollout, table, upstream
+from vllm_rlpatch.tools.usermodel import ToolError
 
 
 def _patches(argv: list[str]) -> int:
-    from vllm_rlpatch import table
-
-    ap = argparse.ArgumentParser(prog="vllm-rlpatch patches", description="List the patch specs.")
+    ap = options.parser("vllm-rlpatch patches", "List the patch specs.")
     ap.add_argument("--markdown", action="store_true", help="the README table")
     ap.add_argument("--update-readme", metavar="README", help="rewrite the generated tables in this README")
     args = ap.parse_args(argv)
@@ -35,50 +28,34 @@ def _patches(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    from vllm_rlpatch import demo
-
     return demo.main(argv)
 
 
 def _parity(argv: list[str]) -> int:
-    from vllm_rlpatch import parity
-
     return parity.main(argv)
 
 
 def _upstream(argv: list[str]) -> int:
-    from vllm_rlpatch import upstream
-
     return upstream.main(argv)
 
 
 def _kv_pin(argv: list[str]) -> int:
-    from vllm_rlpatch import kvpin
-
     return kvpin.main(argv)
 
 
 def _rollout_dump(argv: list[str]) -> int:
-    from vllm_rlpatch import rollout
-
     return rollout.dump(argv)
 
 
 def _rollout_diff(argv: list[str]) -> int:
-    from vllm_rlpatch import rollout
-
     return rollout.diff(argv)
 
 
 def _bounds(argv: list[str]) -> int:
-    from vllm_rlpatch import rollout
-
     return rollout.bounds(argv)
 
 
 def _doctor(argv: list[str]) -> int:
-    from vllm_rlpatch import doctor
-
     return doctor.main(argv)
 
 
@@ -99,13 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        print()
+        print("\ncommands:")
         for name, (_, doc) in COMMANDS.items():
             print(f"  {name:<12} {doc}")
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from vllm_rlpatch import __version__
-
         print(__version__)
         return 0
     cmd = COMMANDS.get(argv[0])
@@ -116,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         print(f"vllm-rlpatch: unknown command {argv[0]!r}{hint}; try --help", file=sys.stderr)
         return 2
-    from vllm_rlpatch.envs import EnvError
-    from vllm_rlpatch.usermodel import ToolError
 
     try:
         return cmd[0](argv[1:])

@@ -9,6 +9,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from vllm_rlpatch.hooks import config, explicit, weights
+from vllm_rlpatch.patches import ALL_PATCHES
+
 
 def all_targets(for_version: str | None = None) -> list[str]:
     """Patch spec targets plus the shared hooks' own targets (``module:Qual.name``), deduplicated.
@@ -16,9 +19,6 @@ def all_targets(for_version: str | None = None) -> list[str]:
     ``for_version``: only the targets a vLLM of that version would wrap (patches retired there by
     ``fixed_in`` are left out: upstream's fix may have removed what they wrap)."""
     from packaging.version import Version
-
-    from vllm_rlpatch.hooks import config, explicit, weights
-    from vllm_rlpatch.patches import ALL_PATCHES
 
     specs = [s for s in ALL_PATCHES
              if for_version is None or s.fixed_in is None or Version(for_version) < Version(s.fixed_in)]

@@ -18,7 +18,8 @@ import logging
 import os
 import socket
 import threading
-import time
+
+from vllm_rlpatch import envs
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -34,20 +35,16 @@ class PortRangeExhausted(RuntimeError):
 
 
 def lease_dir() -> str:
-    d = os.environ.get("VLLM_RLPATCH_PORT_LEASE_DIR") or os.path.join("/tmp", f"vllm-rlpatch-ports-{os.getuid()}")
+    d = envs.PORT_LEASE_DIR.get() or os.path.join("/tmp", f"vllm-rlpatch-ports-{os.getuid()}")
     os.makedirs(d, mode=0o700, exist_ok=True)
     return d
 
 
 def lease_seconds() -> float:
-    from vllm_rlpatch import envs
-
     return envs.PORT_LEASE_S.get()
 
 
 def band_size() -> int:
-    from vllm_rlpatch import envs
-
     return envs.PORT_BAND.get()
 
 
@@ -182,6 +179,3 @@ def vllm_port() -> int | None:
     except ValueError:  # vLLM itself rejects it with its own message
         return None
 
-
-def now() -> float:
-    return time.monotonic()

@@ -32,6 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_rlpatch import __version__
+from vllm_rlpatch.patches import ALL_PATCHES
+from vllm_rlpatch.tools import options, plot, usermodel
+from vllm_rlpatch.trainer import fp32_lm_head
+from vllm_rlpatch.versions import vllm_info
+
 CONFIGS = ("stock", "processed_logprobs", "fp32_lm_head", "prefix_cache", "all")
 FEATURES = ("rl_defaults", "fp32_lm_head", "prefix_cache")  # the patches the configurations tell apart
 CONFIG_FEATURES = {
@@ -102,8 +108,6 @@ def fitted_prompts(model: str, n: int, runs: int, seed: int, max_model_len: int,
     tokenizer: the embedded prompts (24 sentences) are replaced by shorter ones (fewer sentences) until the
     longest fits; a prompt still too long is cut to its last tokens. Returns (prompts per run, a note saying
     what was done, or None when nothing was)."""
-    from vllm_rlpatch import usermodel
-
     budget = usermodel.prompt_budget(max_model_len, max_tokens)
     tok = usermodel.tokenizer(model)
     start = sentences
@@ -190,8 +194,6 @@ class Reference:
             import torch
             from transformers import AutoModelForCausalLM
 
-            from vllm_rlpatch.trainer import fp32_lm_head
-
             dtype = torch.float32 if kind == "fp32" else torch.bfloat16
             m = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).to(self.device).eval()
             if kind == "bf16_fp32_head":
@@ -256,6 +258,9 @@ def _agg(values: list[float]) -> dict[str, Any]:
     return {"mean": mean, "spread": sd, "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
+DEFAULT_OUT = "vllm-rlpatch-out"
+
+
 class ParityError(RuntimeError):
     pass
 
@@ -263,8 +268,6 @@ class ParityError(RuntimeError):
 # ------------------------------------------------------------------------------------------ engines
 def config_env(name: str) -> dict[str, str]:
     """The VLLM_RLPATCH_* environment of one configuration."""
-    from vllm_rlpatch.patches import ALL_PATCHES
-
     env: dict[str, str] = {}
     if name == "stock":  # vLLM as installed; host fixes (e.g. cpu_amx_permission) stay on
         return {"VLLM_RLPATCH_PROFILE": "stock"}
@@ -280,10 +283,8 @@ def config_env(name: str) -> dict[str, str]:
 
 def default_engine_args(model: str, user: dict[str, Any] | None = None) -> dict[str, Any]:
     """Our engine defaults sized to ``model`` (max_model_len = min(1024, its positions); on CPU no chunked
-    prefill), then ``user``'s arguments. See :func:`vllm_rlpatch.usermodel.engine_args`."""
+    prefill), then ``user``'s arguments. See :func:`vllm_rlpatch.tools.usermodel.engine_args`."""
     import torch
-
-    from vllm_rlpatch import usermodel
 
     return usermodel.engine_args(model, user, cpu=not torch.cuda.is_available())
 
@@ -330,7 +331,7 @@ def _run_config(name: str, spec: dict, workdir: Path, progress: _Progress, timeo
     expected = 1 + steps_per_run * len(spec["prompts"])
     seen = 0
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm_rlpatch._parity_engine", str(spec_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "vllm_rlpatch.tools._parity_engine", str(spec_path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
         deadline = time.monotonic() + timeout
         assert proc.stdout is not None
@@ -372,9 +373,6 @@ def run(*, model: str, configs: tuple[str, ...] = CONFIGS, temperature: float = 
         reference_device: str | None = None, timeout: float = 1800,
         references: tuple[str, ...] = REFERENCES) -> dict[str, Any]:
     import torch
-
-    from vllm_rlpatch import __version__
-    from vllm_rlpatch.versions import vllm_info
 
     for k in references:
         if k not in REFERENCES:
@@ -498,10 +496,12 @@ def _score(res: dict, keep_samples: bool, references: tuple[str, ...] = REFERENC
 
 
 # ------------------------------------------------------------------------------------------ output
-def _fmt(a: dict, digits: int = 4, pct: bool = False) -> str:
+def _fmt(a: dict, digits: int = 4, pct: bool = False, count: bool = False) -> str:
     m = a["mean"]
     if m is None or (isinstance(m, float) and math.isnan(m)):
         return "n/a"
+    if count:  # a count: an integer for one run, a mean with one decimal over several
+        return f"{round(m)}" if a["n"] <= 1 else f"{m:.1f}±{a['spread']:.1f}"
     if pct:
         s = f"{100 * m:.1f}%"
         return s + (f"±{100 * a['spread']:.1f}" if a["n"] > 1 else "")
@@ -519,7 +519,7 @@ def table(report: dict, reference: str = "fp32") -> str:
             rows.append([name if phase == "before_refit" else "", phase.replace("_", " "),
                          _fmt(s["token_mult_prob_error"]), _fmt(s["max_mult_prob_error"], 3),
                          _fmt(s["mean_abs_diff"]), _fmt(s["kl_k3"], 5), _fmt(s["frac_outside_bound"], pct=True),
-                         _fmt(s["non_finite"], 1), _fmt(s["tokens_per_s"], 0)])
+                         _fmt(s["non_finite"], count=True), _fmt(s["tokens_per_s"], 0)])
     widths = [max(len(str(x[i])) for x in rows + [cols]) for i in range(len(cols))]
     line = lambda xs: "  ".join(str(x).ljust(w) if i < 2 else str(x).rjust(w) for i, (x, w) in enumerate(zip(xs, widths)))
     out = [line(cols), line(["-" * w for w in widths])]
@@ -544,9 +544,11 @@ def render(report: dict) -> str:
     parts.append("configurations: " + "; ".join(f"{k} = {v}" for k, v in report["config_doc"].items()))
     if report.get("jobs", 1) > 1:
         parts.append(f"tok/s measured with {report['jobs']} engines running at once (--jobs): compare with care")
+    runs = report["runs"]
     parts.append(f"mult_prob_err = NeMo-RL's token_mult_prob_error, mean exp(|Δ logprob|) (1 = identical; its "
                  f"bound is {BOUND}); max = largest per-token value; >{BOUND} = share of tokens above the bound; "
-                 "values are mean±sd over runs")
+                 "non-finite = tokens with -inf on one side; tok/s = generation after a warm-up; "
+                 + (f"values are mean±sd over {runs} runs" if runs > 1 else "one run (--runs N gives mean±sd)"))
     return "\n".join(parts)
 
 
@@ -572,25 +574,24 @@ def _json_safe(o: Any) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(
-        prog="vllm-rlpatch parity",
-        description="Rollout-vs-trainer logprob agreement per configuration (stock, each fix, all), before and "
-                    "after a weight update. With no arguments: the embedded model, T=0.7, top-p 0.9.")
+    ap = options.parser(
+        "vllm-rlpatch parity",
+        "Rollout-vs-trainer logprob agreement per configuration (stock, each fix, all), before and after a\n"
+        "weight update. With no arguments: the embedded model, T=0.7, top-p 0.9; the table on stdout,\n"
+        "parity.json and parity.png in ./vllm-rlpatch-out/.")
     ap.add_argument("--model", help="a local model directory (safetensors), an embedded model name, or a hub id in "
                                     "the local Hugging Face cache; default: the embedded llama-tiny")
     ap.add_argument("--allow-download", action="store_true",
                     help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--top-p", type=float, default=0.9)
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the rollouts")
+    ap.add_argument("--top-p", type=float, default=0.9, help="top-p of the rollouts")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k of the rollouts, 0 = off")
+    ap.add_argument("--max-tokens", type=int, default=48, help="tokens per sample")
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="let samples end at EOS (default: every sample has --max-tokens tokens, ignore_eos)")
     ap.add_argument("--prompts", type=int, default=12, help="prompts per run")
     ap.add_argument("--runs", type=int, default=1, help="repeat with different prompts and seeds; mean ± sd")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' order and the sampling seeds")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--refit-to", help="checkpoint directory pushed as the update (default: the model + noise)")
     ap.add_argument("--refit-noise", type=float, default=0.5,
@@ -598,14 +599,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--engine-args", default="{}", help='JSON of extra vllm.LLM arguments, e.g. \'{"tensor_parallel_size": 2}\'')
     ap.add_argument("--references", default=",".join(REFERENCES),
                     help=f"trainer-side references to compare with (comma-separated subset of {','.join(REFERENCES)})")
-    ap.add_argument("--json", metavar="PATH", help="write the full report (per-token data included)")
-    ap.add_argument("--plot", metavar="PATH.png", help="write the Δlogprob distributions per configuration")
+    ap.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                    help="where parity.json and parity.png go (unless --json/--plot name other paths)")
+    ap.add_argument("--json", metavar="PATH", help="the full report, per-token data included (default: DIR/parity.json)")
+    ap.add_argument("--plot", metavar="PATH.png",
+                    help="the Δ logprob distributions per configuration (default: DIR/parity.png; needs matplotlib)")
+    ap.add_argument("--no-plot", action="store_true", help="write no plot")
     ap.add_argument("--max-error", type=float,
                     help="exit 1 if the `all` configuration's token_mult_prob_error (fp32 reference, either phase) exceeds it")
-    ap.add_argument("--workdir", help="keep the engines' logs and the update's weights here (default: a temp dir, removed)")
+    ap.add_argument("--workdir", help="keep the engines' logs and the update's weights here (default: a temporary "
+                                      "directory, removed at the end)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="engines run at once (start-up overlaps; tokens/s is then measured under contention)")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                    help="no progress lines (each engine's vLLM log goes to a file in --workdir either way)")
     args = ap.parse_args(argv)
 
     try:
@@ -619,12 +626,10 @@ def main(argv: list[str]) -> int:
         ap.error("--max-error checks the `all` configuration; include it in --configs")
     if args.max_error is not None and args.max_error < 1.0:
         ap.error("--max-error is a token_mult_prob_error bound (>= 1.0)")
-    if args.plot:
-        from vllm_rlpatch import plot
-
-        if not plot.available():
-            ap.error("--plot needs Pillow (pip install 'vllm-rlpatch[plot]')")
-    from vllm_rlpatch import usermodel
+    json_path = Path(args.json) if args.json else Path(args.out) / "parity.json"
+    plot_path = None if args.no_plot else (Path(args.plot) if args.plot else Path(args.out) / "parity.png")
+    if args.plot and not plot.available():
+        ap.error(plot.missing_message("--plot"))
 
     try:
         model = usermodel.resolve(args.model, allow_download=args.allow_download)
@@ -636,21 +641,26 @@ def main(argv: list[str]) -> int:
         report = run(model=model, configs=configs, temperature=args.temperature, top_p=args.top_p,
                      top_k=args.top_k, max_tokens=args.max_tokens, prompts=args.prompts, runs=args.runs,
                      seed=args.seed, refit_to=args.refit_to, refit_noise=args.refit_noise, engine_args=eargs,
-                     workdir=args.workdir, keep_samples=bool(args.json or args.plot), progress=not args.no_progress,
+                     workdir=args.workdir, keep_samples=True, progress=not args.no_progress,
                      ignore_eos=not args.stop_at_eos, jobs=args.jobs,
                      references=tuple(k.strip() for k in args.references.split(",") if k.strip()))
     except (ParityError, usermodel.ToolError) as e:
         print(f"vllm-rlpatch parity: {e}", file=sys.stderr)
         return 2
     print(render(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(_json_safe(report)))
-        print(f"\nJSON: {args.json}")
-    if args.plot:
-        from vllm_rlpatch import plot
-
-        plot.parity_plot(report, args.plot, reference=_main_reference(report))
-        print(f"plot: {args.plot}")
+    try:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(_json_safe(report)))
+        print(f"\nJSON: {json_path}")
+        if plot_path is not None and plot.available():
+            plot_path.parent.mkdir(parents=True, exist_ok=True)
+            plot.parity_plot(report, str(plot_path), reference=_main_reference(report))
+            print(f"plot: {plot_path}")
+        elif plot_path is not None:
+            print(plot.missing_message(f"plot {plot_path}"))
+    except OSError as e:
+        print(f"vllm-rlpatch parity: cannot write the report: {e}", file=sys.stderr)
+        return 2
     if args.max_error is not None:
         w = worst_all(report, _main_reference(report))
         if w is None or not (w <= args.max_error):

@@ -1,7 +1,7 @@
 """One ``vllm-rlpatch parity`` configuration: an engine in its own process (the patches are chosen by the
 environment before vLLM is imported), rollouts before and after a weight update.
 
-    python -m vllm_rlpatch._parity_engine SPEC.json
+    python -m vllm_rlpatch.tools._parity_engine SPEC.json
 
 Progress goes to stdout as ``@@parity {json}`` lines; the result is written to ``spec["out"]``.
 The stock configuration updates weights with vLLM's own ``reload_weights`` (what a user without the plugin
@@ -16,6 +16,9 @@ import os
 import sys
 import time
 import traceback
+
+from vllm_rlpatch import registry
+from vllm_rlpatch.patches import fp32_lm_head
 
 
 def _say(**kw) -> None:
@@ -35,6 +38,13 @@ def _tensors(d: str):
     for f in sorted(Path(d).glob("*.safetensors")):
         out.extend(sorted(load_file(str(f)).items()))
     return out
+
+
+def _warm_up_prompt(p):
+    if isinstance(p, str):
+        return "Warm-up. " + p
+    ids = list(p["prompt_token_ids"])
+    return {"prompt_token_ids": ids[-1:] + ids[:-1]}  # rotated: another first block, the same length
 
 
 def _generate(llm, vllm, prompts, sampling, seeds):
@@ -87,17 +97,19 @@ def main() -> int:
         out.update({"vllm": vllm.__version__, "startup_seconds": time.perf_counter() - t0,
                     "engine": {"logprobs_mode": str(getattr(mc, "logprobs_mode", None)),
                                "head_dtype": str(getattr(mc.hf_config, "head_dtype", None) or "model"),
-                               "fp32_lm_head_patch": os.environ.get("VLLM_RLPATCH_FP32_LM_HEAD", "default"),
+                               "fp32_lm_head_patch": fp32_lm_head.SPEC.env.raw() or "default",
                                "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
                                "block_size": cfg.cache_config.block_size,
                                "dtype": str(mc.dtype)}})
         try:
-            from vllm_rlpatch import registry
-
             out["patches"] = {s.name: s.state for s in registry.status()}
         except Exception:
             out["patches"] = None
         _say(stage="ready", seconds=out["startup_seconds"])
+        # tok/s after a warm-up: an engine's first batches pay one-time costs (allocations, CPU kernels built per
+        # shape). The same batch with each prompt changed at its start (no measured prompt finds blocks of the
+        # warm-up in the prefix cache) and as many tokens; nothing of it is recorded.
+        _generate(llm, vllm, [_warm_up_prompt(p) for p in spec["prompts"][0]], spec["sampling"], spec["seeds"][0])
         for r, (prompts, seeds) in enumerate(zip(spec["prompts"], spec["seeds"])):
             run = {"run": r}
             if r > 0:

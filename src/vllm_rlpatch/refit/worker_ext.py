@@ -6,7 +6,7 @@ the Worker, so every method here is prefixed ``rlpatch_`` (vLLM 0.32 has ``updat
 ``llm.collective_rpc("rlpatch_<name>")``.
 
 Composition: when the user (or their RL framework) passes its own ``worker_extension_cls``, the
-``worker_extension`` patch replaces it with ``vllm_rlpatch.worker_ext.with:<their qualname with : for .>``.
+``worker_extension`` patch replaces it with ``vllm_rlpatch.refit.worker_ext.with:<their qualname with : for .>``.
 vLLM resolves that name in the worker through this module's ``__getattr__``, which builds one class
 deriving from theirs and ours (theirs first, so their methods win). If their class already derives from
 ours, it is used as is, so nothing runs twice.
@@ -19,8 +19,11 @@ import importlib
 import os
 from typing import Any
 
-COMPOSE_PREFIX = "with:"
-QUALNAME = "vllm_rlpatch.worker_ext.RLPatchWorkerExtension"
+from vllm_rlpatch import _role, registry
+from vllm_rlpatch.hooks import mixed, weights
+from vllm_rlpatch.patches.worker_extension import COMPOSE_PREFIX, QUALNAME, compose_qualname  # noqa: F401
+from vllm_rlpatch.refit import memory, transaction
+from vllm_rlpatch.versions import vllm_info
 
 
 class RLPatchWorkerExtension:
@@ -28,30 +31,21 @@ class RLPatchWorkerExtension:
 
     def rlpatch_ping(self) -> dict[str, Any]:
         """Prove the plugin is live in this worker: pid, role, vLLM version, applied patches."""
-        from vllm_rlpatch import plugin, registry
-        from vllm_rlpatch.versions import vllm_info
-
-        return {"pid": os.getpid(), "role": plugin.process_role(), "vllm": vllm_info().raw_version,
+        return {"pid": os.getpid(), "role": _role.get(), "vllm": vllm_info().raw_version,
                 "applied": registry.applied_names()}
 
     def rlpatch_status(self) -> list[dict[str, Any]]:
-        from vllm_rlpatch import registry
-
         return [s.as_dict() for s in registry.status()]
 
     def rlpatch_weight_version(self) -> int:
         """Completed weight updates this worker has seen (reload_weights, native updates, load_weights).
         Finishes a direct-load session a trainer left open first (raises if it left a layer half-loaded)."""
-        from vllm_rlpatch.hooks import weights
-
         weights.settle(self)
         return weights.weight_version(self)
 
     def rlpatch_weight_state(self) -> dict[str, Any]:
         """This worker's weight version and mixed-weights state, as data (never raises for mixed weights):
         what the engine core and the front end ask after an update RPC failed."""
-        from vllm_rlpatch.hooks import mixed, weights
-
         try:
             weights.settle(self, raise_mixed=False)
         except Exception:  # closing a half-loaded direct-load session failed: the state below says what it left
@@ -61,68 +55,42 @@ class RLPatchWorkerExtension:
 
     # ---- the refit API (vllm_rlpatch.refit); see vllm_rlpatch.refit.worker for the protocol
     def rlpatch_refit_describe(self) -> dict[str, Any]:
-        from vllm_rlpatch.refit import worker
-
-        return worker.for_worker(self).describe()
+        return transaction.for_worker(self).describe()
 
     def rlpatch_refit_prepare(self, request: dict[str, Any], inflight: str | None = None) -> dict[str, Any]:
-        from vllm_rlpatch.hooks import weights
-        from vllm_rlpatch.refit import worker
-
         weights.settle(self, raise_mixed=False)  # an update is what repairs mixed weights
-        return worker.for_worker(self).prepare(request)
+        return transaction.for_worker(self).prepare(request)
 
     def rlpatch_refit_commit(self, txid: str, version: int | None = None, release: bool = True,
                              inflight: str | None = None, request: dict[str, Any] | None = None,
                              final: bool = True) -> dict[str, Any]:
-        from vllm_rlpatch.hooks import weights
-        from vllm_rlpatch.refit import worker
-
         if request is not None:
             weights.settle(self, raise_mixed=False)
-        return worker.for_worker(self).commit(txid, version=version, release=release, request=request, final=final)
+        return transaction.for_worker(self).commit(txid, version=version, release=release, request=request, final=final)
 
     def rlpatch_refit_inject_fault(self, where: str) -> dict[str, Any]:
         """Testing only (``VLLM_RLPATCH_FAULT_INJECTION=1``): arm a fault in this worker's next refit."""
-        from vllm_rlpatch.refit import worker
-
-        return worker.for_worker(self).arm_fault(where)
+        return transaction.for_worker(self).arm_fault(where)
 
     def rlpatch_refit_abort(self, txid: str) -> dict[str, Any]:
-        from vllm_rlpatch.refit import worker
-
-        return worker.for_worker(self).abort(txid)
+        return transaction.for_worker(self).abort(txid)
 
     def rlpatch_refit_release(self, txid: str) -> dict[str, Any]:
-        from vllm_rlpatch.refit import worker
-
-        return worker.for_worker(self).release(txid)
+        return transaction.for_worker(self).release(txid)
 
     def rlpatch_refit_layout(self) -> dict[str, Any]:
         """The engine layout for zero-pack CUDA IPC updates (``vllm_rlpatch.refit.EngineLayout``)."""
-        from vllm_rlpatch.refit import worker
-
-        return worker.for_worker(self).layout()
+        return transaction.for_worker(self).layout()
 
     def rlpatch_memory(self) -> dict[str, Any]:
         """This worker's device memory (``vllm-rlpatch kv-pin``): device free/total, PyTorch's allocator,
         the sleep-mode pools by tag (weights, kv_cache, ...; the bytes a wake-up maps again) and the
         KV cache vLLM allocated."""
-        from vllm_rlpatch import kvpin
-
-        return kvpin.worker_memory(self)
+        return memory.worker_memory(self)
 
     def rlpatch_fingerprint(self) -> dict[str, Any]:
         """Bit-level fingerprint of every parameter and buffer of this worker's model (and a digest)."""
-        from vllm_rlpatch.refit import worker
-
-        return worker.for_worker(self).fingerprint()
-
-
-def compose_qualname(user_qualname: str) -> str:
-    if user_qualname == QUALNAME or user_qualname.startswith("vllm_rlpatch.worker_ext." + COMPOSE_PREFIX):
-        return user_qualname
-    return "vllm_rlpatch.worker_ext." + COMPOSE_PREFIX + user_qualname.replace(".", ":")
+        return transaction.for_worker(self).fingerprint()
 
 
 def _resolve(qualname: str) -> type:

@@ -38,6 +38,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from vllm_rlpatch import envs
+from vllm_rlpatch.patches.kv_cache_pin import check_rollout
+from vllm_rlpatch.tools import options, usermodel
+from vllm_rlpatch.tools.doctor import engine_parser
+from vllm_rlpatch.versions import vllm_info
 
 GiB = 1 << 30
 ALIGN = 256 << 20  # pins are rounded down to 256 MiB
@@ -232,8 +236,6 @@ def size_pin(backend: Backend, *, reserve: int, margin: int, level: int = 1, rol
 
 
 def _too_small(tokens: int | None, rollout: int | None) -> str | None:
-    from vllm_rlpatch.patches.kv_cache_pin import check_rollout
-
     return check_rollout(int(tokens), rollout) if tokens else None
 
 
@@ -251,42 +253,6 @@ def cache_key(identity: dict[str, Any], reserve: int, margin: int, level: int) -
 
 # ---------------------------------------------------------------------------------------------------------
 # The worker side (worker extension ``rlpatch_memory``)
-def worker_memory(worker: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"pid": os.getpid()}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info()
-            out.update(device_free=int(free), device_total=int(total),
-                       torch_allocated=int(torch.cuda.memory_allocated()),
-                       torch_reserved=int(torch.cuda.memory_reserved()))
-    except Exception as e:
-        out["device_error"] = f"{type(e).__name__}: {e}"
-    pools: dict[str, int] = {}
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-
-        inst = CuMemAllocator.instance
-        for data in list(getattr(inst, "pointer_to_data", {}).values()) if inst is not None else ():
-            pools[data.tag] = pools.get(data.tag, 0) + int(data.handle[1])
-    except Exception:  # no CUDA build / no cumem: no pools
-        pass
-    out["pools"] = pools
-    kvc = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
-    if kvc is not None:
-        out["kv_num_blocks"] = int(kvc.num_blocks)
-        out["kv_bytes"] = int(sum(getattr(t, "size", 0) for t in getattr(kvc, "kv_cache_tensors", None) or []))
-        try:
-            from vllm_rlpatch.patches.kv_cache_pin import capacity
-
-            cap = capacity(worker.vllm_config, kvc)
-            out.update(kv_tokens=cap["tokens"], kv_block_size=cap["block_size"])
-        except Exception as e:
-            out["kv_capacity_error"] = f"{type(e).__name__}: {e}"
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Real vLLM on a CUDA GPU
 class CudaBackend:
@@ -310,9 +276,7 @@ class CudaBackend:
     def _llm_kwargs(model: str, engine_argv: list[str]) -> dict[str, Any]:
         from vllm.engine.arg_utils import EngineArgs
 
-        from vllm_rlpatch.doctor import _parser
-
-        parser = EngineArgs.add_cli_args(_parser())
+        parser = EngineArgs.add_cli_args(engine_parser())
         ea = EngineArgs.from_cli_args(parser.parse_args(["--model", model, *engine_argv]))
         stock = EngineArgs.from_cli_args(parser.parse_args(["--model", model]))  # the CLI's own defaults
         kw = {f.name: getattr(ea, f.name) for f in dataclasses.fields(ea)
@@ -348,8 +312,6 @@ class CudaBackend:
         self.torch.cuda.empty_cache()
 
     def identity(self) -> dict[str, Any]:
-        from vllm_rlpatch.versions import vllm_info
-
         cfg = Path(self.model) / "config.json"
         return {"model": os.path.realpath(self.model) if os.path.exists(self.model) else self.model,
                 "model_config_sha": hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.exists() else None,
@@ -434,9 +396,9 @@ def _positive_int(name: str):
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="vllm-rlpatch kv-pin",
-        description="Measure the largest kv_cache_memory_bytes that survives sleep -> trainer reserve -> wake on "
+    ap = options.parser(
+        "vllm-rlpatch kv-pin",
+        "Measure the largest kv_cache_memory_bytes that survives sleep -> trainer reserve -> wake on "
                     "this GPU; print it with its KV capacity in tokens. Unknown options are vLLM engine args.")
     ap.add_argument("--model", required=True, help="a local model directory, an embedded model name, or a hub id in "
                                                    "the local Hugging Face cache")
@@ -445,7 +407,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trainer-reserve-gib", type=_gib("--trainer-reserve-gib"), default=0.0,
                     help="GiB the trainer keeps on this GPU while vLLM is awake (allocated during the check)")
     ap.add_argument("--margin-gib", type=_gib("--margin-gib"), default=DEFAULT_MARGIN_GIB,
-                    help=f"headroom kept free besides the reserve (default {DEFAULT_MARGIN_GIB})")
+                    help="headroom kept free besides the reserve")
     ap.add_argument("--level", type=int, choices=(1, 2), default=1, help="sleep level the trainer loop uses")
     ap.add_argument("--rollout-tokens", type=_tokens, default=None,
                     help="tokens the rollout keeps in flight (262144, 256k, or 256x4096)")
@@ -455,7 +417,7 @@ def parser() -> argparse.ArgumentParser:
                     help="prompt + generation tokens of one rollout sequence")
     ap.add_argument("--json", metavar="OUT", help="write the full result (measurement, budget, attempts) here")
     ap.add_argument("--refresh", action="store_true", help="ignore a cached result and measure again")
-    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    options.add_log_options(ap)
     return ap
 
 
@@ -484,6 +446,7 @@ def _report(r: dict[str, Any], cached: bool) -> str:
 def main(argv: list[str] | None = None, backend: Backend | None = None) -> int:
     ap = parser()
     args, engine_argv = ap.parse_known_args(argv)
+    options.apply_log_options(args)
     if (args.max_concurrent_seqs is None) != (args.seq_len is None):
         ap.error("--max-concurrent-seqs and --seq-len go together")
     if args.max_concurrent_seqs is not None:
@@ -491,8 +454,6 @@ def main(argv: list[str] | None = None, backend: Backend | None = None) -> int:
             ap.error("give --rollout-tokens or --max-concurrent-seqs/--seq-len, not both")
         args.rollout_tokens = args.max_concurrent_seqs * args.seq_len
     if backend is None:
-        from vllm_rlpatch import usermodel
-
         try:
             args.model = usermodel.resolve(args.model, allow_download=args.allow_download)
             usermodel.require_vllm("kv-pin")

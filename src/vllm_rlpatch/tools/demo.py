@@ -8,7 +8,6 @@ nucleus must come back as -inf), and a weight reload bumping the weight version.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -16,6 +15,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import vllm_rlpatch
+from vllm_rlpatch import models
+from vllm_rlpatch.hooks import config as config_hook
+from vllm_rlpatch.tools import doctor, options, usermodel
 
 PROMPTS = ["the quick cat sees", "12 + 7 =", "count: 3 4 5", "spell robot:", "the old teacher reads"]
 
@@ -25,20 +29,20 @@ def _step(i: int, n: int, msg: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from vllm_rlpatch import doctor, models, usermodel
-
-    ap = argparse.ArgumentParser(prog="vllm-rlpatch demo", description=__doc__.split("\n\n")[0])
+    ap = options.parser("vllm-rlpatch demo", __doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--model", default=models.DEFAULT,
                     help=f"an embedded model ({', '.join(models.NAMES)}), a local model directory, or a hub id in the "
-                         f"local Hugging Face cache (default {models.DEFAULT})")
+                         f"local Hugging Face cache")
     ap.add_argument("--allow-download", action="store_true",
                     help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--top-p", type=float, default=0.9)
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    ap.add_argument("--top-p", type=float, default=0.9, help="top-p")
+    ap.add_argument("--max-tokens", type=int, default=24, help="tokens per sample")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    options.add_log_options(ap)
     args = ap.parse_args(argv)
+    options.apply_log_options(args)
     if not 0 < args.top_p <= 1:
         ap.error("--top-p must be in (0, 1]")
     if args.temperature <= 0:
@@ -89,12 +93,10 @@ def main(argv: list[str]) -> int:
             positions += 1
             masked += any(v.logprob == -math.inf for v in step.values())
     cfg = llm.llm_engine.vllm_config
-    from vllm_rlpatch.hooks import config as config_hook
 
     settings = {k: s.as_dict() for k, s in config_hook.last_settings().items()}
 
     _step(4, n, "reloading weights (a weight update) and reading the weight version")
-    import vllm_rlpatch
 
     llm.collective_rpc("reload_weights")
     frontend_version = vllm_rlpatch.weight_version(llm)

@@ -16,6 +16,14 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from vllm_rlpatch import __version__, envs, plugin, registry
+from vllm_rlpatch.hooks import config as config_hook
+from vllm_rlpatch.hooks import explicit
+from vllm_rlpatch.patches import kv_cache_pin, prefix_cache
+from vllm_rlpatch.tools import options, usermodel
+from vllm_rlpatch.tools.usermodel import INSTALL_VLLM, ToolError
+from vllm_rlpatch.versions import NEWEST_TESTED, TESTED_VERSIONS, vllm_info
+
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "rlpatch"
 
@@ -73,7 +81,7 @@ def _jsonable(v: Any) -> Any:
     return str(v)
 
 
-def _parser():
+def engine_parser():
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:  # vLLM 0.20
@@ -85,11 +93,7 @@ def engine_settings(model: str, engine_argv: list[str]) -> dict[str, Any]:
     """Build the engine config for ``model`` + CLI-style engine args; return settings with provenance."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_rlpatch.hooks import config as config_hook
-
-    from vllm_rlpatch.usermodel import ToolError
-
-    parser = EngineArgs.add_cli_args(_parser())
+    parser = EngineArgs.add_cli_args(engine_parser())
     ns = parser.parse_args(["--model", model, *engine_argv])
     engine_args = EngineArgs.from_cli_args(ns)
     try:
@@ -106,8 +110,6 @@ def engine_settings(model: str, engine_argv: list[str]) -> dict[str, Any]:
             row = {"setting": label, "value": _jsonable(eff), "source": s.source, "by": s.owner,
                    "stock": _jsonable(s.stock), "reason": s.reason, "detection": s.detection}
         else:
-            from vllm_rlpatch.hooks import explicit
-
             is_user, how = explicit.is_explicit(engine_args, field) if hasattr(engine_args, field) else (False, "")
             row = {"setting": label, "value": _jsonable(eff), "source": "user" if is_user else "stock",
                    "by": None, "stock": None, "reason": "not touched by the plugin", "detection": how}
@@ -128,9 +130,6 @@ def engine_settings(model: str, engine_argv: list[str]) -> dict[str, Any]:
 def _kv_rows(vllm_config: Any) -> tuple[list[dict[str, Any]], str | None]:
     """KV capacity of a pinned engine (estimated from the model shape; the engine core logs the exact
     figure at start-up) and the declared rollout (VLLM_RLPATCH_ROLLOUT_TOKENS) against it."""
-    from vllm_rlpatch import envs
-    from vllm_rlpatch.patches import kv_cache_pin
-
     pinned = _get_path(vllm_config, "cache_config.kv_cache_memory_bytes")
     rollout = envs.ROLLOUT_TOKENS.get()
     rows, warning = [], None
@@ -157,9 +156,6 @@ def _kv_rows(vllm_config: Any) -> tuple[list[dict[str, Any]], str | None]:
 
 def _engine_core_policies(vllm_config: Any) -> list[dict[str, Any]]:
     """What the engine core will do at a weight update (decided there from the environment and the config)."""
-    from vllm_rlpatch import envs, registry
-    from vllm_rlpatch.patches import prefix_cache
-
     st = {s.name: s for s in registry.status()}
     pc = st.get("prefix_cache")
     on = pc is not None and pc.state == "applied"
@@ -199,10 +195,6 @@ def _head_note(statuses: list[Any]) -> str:
 
 
 def collect(model: str | None = None, engine_argv: list[str] | None = None) -> dict[str, Any]:
-    from vllm_rlpatch import __version__, envs, plugin, registry
-    from vllm_rlpatch.hooks import explicit
-    from vllm_rlpatch.versions import NEWEST_TESTED, TESTED_VERSIONS, vllm_info
-
     env_warnings = envs.validate_environment()
     info = vllm_info()
     if info.installed:
@@ -236,8 +228,6 @@ def collect(model: str | None = None, engine_argv: list[str] | None = None) -> d
 
 
 def render(report: dict[str, Any]) -> str:
-    from vllm_rlpatch.usermodel import INSTALL_VLLM
-
     v = report["vllm"]
     if not v["installed"]:
         lines = [
@@ -283,17 +273,16 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    import argparse
 
-    from vllm_rlpatch import usermodel
-
-    ap = argparse.ArgumentParser(prog="vllm-rlpatch doctor", description=__doc__.split("\n\n")[0])
+    ap = options.parser("vllm-rlpatch doctor", __doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--model", help="also show the RL-relevant settings an engine for this model would get; "
                                     "further arguments are vLLM engine arguments (e.g. --logprobs-mode raw_logprobs)")
     ap.add_argument("--allow-download", action="store_true",
                     help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
+    options.add_log_options(ap)
     args, rest = ap.parse_known_args(argv)
+    options.apply_log_options(args)
     if rest and args.model is None:
         ap.error(f"unrecognized arguments: {' '.join(rest)} (engine arguments need --model)")
     if args.model is not None:

@@ -22,7 +22,6 @@ every check is offline. :func:`check` copies the tree, runs ``git apply --check`
 
 from __future__ import annotations
 
-import argparse
 import os
 import py_compile
 import shutil
@@ -34,9 +33,14 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_rlpatch import envs
+from vllm_rlpatch.tools import options
+
+
 def _root() -> Path:
-    shipped = Path(__file__).resolve().parent / "upstream_patches"  # wheel: force-included (pyproject.toml)
-    return shipped if shipped.is_dir() else Path(__file__).resolve().parents[2] / "upstream_patches"
+    package = Path(__file__).resolve().parents[1]
+    shipped = package / "upstream_patches"  # wheel: force-included (pyproject.toml)
+    return shipped if shipped.is_dir() else package.parents[1] / "upstream_patches"
 
 
 HERE = _root()
@@ -137,7 +141,7 @@ def get(name: str, root: Path = HERE) -> UpstreamPatch:
 
 # ---------------------------------------------------------------------------------------------------------
 def src_cache() -> Path:
-    return Path(os.environ.get("VLLM_RLPATCH_SRC_CACHE") or Path.home() / ".cache" / "vllm-rlpatch" / "src")
+    return Path(envs.SRC_CACHE.get() or Path.home() / ".cache" / "vllm-rlpatch" / "src")
 
 
 def pristine_tree(version: str, *, log=print) -> Path:
@@ -272,7 +276,7 @@ def markdown(patches: list[UpstreamPatch]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="vllm-rlpatch upstream",
+    ap = options.parser(prog="vllm-rlpatch upstream",
                                  description="Upstream-ready diffs of the runtime patches, and their check.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--list", action="store_true", help="the table (default)")
