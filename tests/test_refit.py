@@ -138,7 +138,9 @@ def main(tmp_path_factory, weights):
            _eq("eq_sess_abort_rb"), _gen("g_sess_abort_rb"),
            {"op": "session", "name": "sess_abort_vtw", "weights": "B", "parts": 3, "abort_after": 2,
             "kw": {"guarantee": "validate-then-write"}}, _gen("g_sess_mixed"),
-           {"op": "push", "name": "push_B_final"}, {"op": "version", "name": "v_B_final"}, _gen("g_B_final")]
+           {"op": "push", "name": "push_B_final"}, {"op": "version", "name": "v_B_final"}, _gen("g_B_final"),
+           # teardown check of the shared engine: the state its last update left, for whoever reads it next
+           _fp("fp_end"), {"op": "version", "name": "v_end"}]
     return _run(tmp_path_factory.mktemp("main"), {"model": model_path(), "worker_extension_cls": EXT},
                 {"B": w["B"], "C": w["C"]}, ops, VLLM_RLPATCH_FAULT_INJECTION="1", **BF16_HEAD)
 
@@ -222,6 +224,16 @@ def test_a_pushed_update_equals_a_fresh_engine_on_the_new_weights(main, stock, w
     assert m["token_mult_prob_error"] <= 1.02, m
     assert main["v_B"]["version"] == 1 and _versions(_reqs(main, "g_B")) == {(1, 1)}
     assert _versions(_reqs(main, "g0")) == {(0, 0)}
+
+
+def test_the_shared_engine_ends_in_the_state_its_last_update_left(main):
+    """Many tests read this one engine's run. At its end (after faults, rollbacks, sessions, direct and
+    per-parameter loads) it holds B again, bit for bit what the first push of B left (fingerprint of every
+    parameter and buffer), at the version the last push set."""
+    assert main["v_end"]["version"] == main["v_B_final"]["version"] == 14
+    end = [w["fingerprint"] for w in main["fp_end"]["workers"]]
+    assert end == [w["fingerprint"] for w in main["fp_B"]["workers"]]
+    assert end != [w["fingerprint"] for w in main["fp0"]["workers"]]
 
 
 def test_every_bad_input_is_refused_and_the_old_weights_stay(main):
