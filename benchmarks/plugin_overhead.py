@@ -49,17 +49,26 @@ if __name__ == "__main__":
 """
 
 
-def importtime(enabled: bool) -> dict:
+STARTUP_MODULES = ("vllm_rlpatch", "vllm_rlpatch._postimport", "vllm_rlpatch._startup", "wrapt")
+
+
+def importtime(enabled: bool, n: int = 9) -> dict:
+    """The .pth hook's import cost (``python -X importtime``), median of ``n`` interpreters."""
     env = dict(os.environ, VLLM_RLPATCH_ENABLED="1" if enabled else "0")
-    p = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True, env=env)
-    mods = {}
-    for line in p.stderr.splitlines():
-        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
-        if m and m.group(4).strip() in ("vllm_rlpatch", "vllm_rlpatch._startup", "wrapt"):
-            mods[m.group(4).strip()] = int(m.group(2))
+    per_run = []
+    for _ in range(n):
+        p = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True, env=env)
+        mods = {}
+        for line in p.stderr.splitlines():
+            m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
+            if m and m.group(4).strip() in STARTUP_MODULES:
+                mods[m.group(4).strip()] = int(m.group(2))
+        per_run.append(mods)
+    names = sorted({k for r in per_run for k in r})
+    mods = {k: int(statistics.median([r.get(k, 0) for r in per_run])) for k in names}
     # the .pth line imports vllm_rlpatch._startup; its cumulative time includes everything it pulls in
     return {"modules_cumulative_us": mods, "total_us": mods.get("vllm_rlpatch._startup", 0),
-            "imports_wrapt_at_startup": "wrapt" in mods}
+            "imports_wrapt_at_startup": any("wrapt" in r for r in per_run), "interpreters": n}
 
 
 def interpreter_start(n: int = 10) -> dict:
@@ -154,13 +163,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2, help="interleaved off/on engine rounds (default 2)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--startup-only", action="store_true",
+                    help="only the start-up hook's import cost (no engines); written to ...-startup.json")
     args = ap.parse_args()
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"plugin_overhead-vllm{vllm.__version__}.json")
+    suffix = "-startup" if args.startup_only else ""
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"plugin_overhead-vllm{vllm.__version__}{suffix}.json")
     result = {"benchmark": "plugin_overhead", "vllm": vllm.__version__, "python": platform.python_version(),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d")}
     print("[1/4] start-up hook import cost", flush=True)
     result["startup"] = {"importtime_enabled": importtime(True), "importtime_disabled": importtime(False),
                          "interpreter_start": interpreter_start()}
+    if args.startup_only:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["startup"], indent=2))
+        print(f"wrote {out}")
+        return 0
     print("[2/4] hook micro-benchmarks", flush=True)
     result["hooks"] = hook_microbench()
     print(f"[3/4] engines, plugin off vs on, {args.rounds} interleaved rounds", flush=True)

@@ -28,6 +28,7 @@ def _step(i: int, n: int, msg: str) -> None:
     print(f"[{i}/{n}] {msg}", flush=True)
 
 
+@options.scoped_log_level
 def main(argv: list[str]) -> int:
     ap = options.parser("vllm-rlpatch demo", __doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--model", default=models.DEFAULT,

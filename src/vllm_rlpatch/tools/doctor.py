@@ -272,6 +272,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@options.scoped_log_level
 def main(argv: list[str]) -> int:
 
     ap = options.parser("vllm-rlpatch doctor", __doc__.split("\n\n")[0].replace("``", ""))

@@ -443,6 +443,7 @@ def _report(r: dict[str, Any], cached: bool) -> str:
     return "\n".join(lines)
 
 
+@options.scoped_log_level
 def main(argv: list[str] | None = None, backend: Backend | None = None) -> int:
     ap = parser()
     args, engine_argv = ap.parse_known_args(argv)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 
 LEVELS = {"quiet": "ERROR", "default": "WARNING", "verbose": "INFO", "debug": "DEBUG"}
@@ -50,3 +52,27 @@ def apply_log_options(args: argparse.Namespace) -> str:
         level = LEVELS["default"]
     os.environ["VLLM_LOGGING_LEVEL"] = level
     return level
+
+
+@contextlib.contextmanager
+def own_log_level():
+    """Around a command run in-process (tests, notebooks): the ``VLLM_LOGGING_LEVEL`` that
+    :func:`apply_log_options` sets for the command's vLLM does not outlive it."""
+    before = os.environ.get("VLLM_LOGGING_LEVEL")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = before
+
+
+def scoped_log_level(fn):
+    """Decorator for a command's ``main``: see :func:`own_log_level`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with own_log_level():
+            return fn(*args, **kwargs)
+
+    return wrapper

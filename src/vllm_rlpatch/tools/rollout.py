@@ -103,6 +103,7 @@ def _rlpatch_status() -> dict[str, Any]:
     return {"enabled": bool(envs.ENABLED.get()), "applied": sorted(s.name for s in st if s.state == "applied")}
 
 
+@options.scoped_log_level
 def dump(argv: list[str]) -> int:
     ap = options.parser("vllm-rlpatch rollout-dump", "Sample every prompt n times with one seed per run; one JSON "
                         "line per sample.")
