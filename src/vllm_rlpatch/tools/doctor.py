@@ -19,6 +19,7 @@ from typing import Any
 from vllm_rlpatch import __version__, envs, plugin, registry
 from vllm_rlpatch.hooks import config as config_hook
 from vllm_rlpatch.hooks import explicit
+from vllm_rlpatch.hooks import inflight as hooks_inflight
 from vllm_rlpatch.patches import kv_cache_pin, prefix_cache
 from vllm_rlpatch.tools import options, usermodel
 from vllm_rlpatch.tools.usermodel import INSTALL_VLLM, ToolError
@@ -159,18 +160,14 @@ def _engine_core_policies(vllm_config: Any) -> list[dict[str, Any]]:
     st = {s.name: s for s in registry.status()}
     pc = st.get("prefix_cache")
     on = pc is not None and pc.state == "applied"
-    mode = prefix_cache.mode() if on else "stock"
     caching = bool(_get_path(vllm_config, "cache_config.enable_prefix_caching"))
-    if on and mode == "off" and caching:
-        mode = "salt"
-    elif on and mode in ("salt", "reset") and not caching:
-        mode = "off"
+    mode = prefix_cache.effective_mode(prefix_cache.mode(), caching) if on else "stock"
     src = "user" if envs.toggle_is_set(prefix_cache.TOGGLE) else ("plugin" if on else "stock")
     reasons = {"salt": "requests salted with the weight version: no KV of older weights is ever reused",
                "reset": "prefix cache reset at every weight update (refused resets retried, salted meanwhile)",
                "off": "no prefix caching: nothing is reused", "stock": "vLLM's behaviour: KV of older weights "
                "can be reused after an update" + ("" if on else f" (prefix_cache {pc.state if pc else '?'})")}
-    inflight = envs.INFLIGHT.get() if on else "keep (vLLM, unreported)"
+    inflight = hooks_inflight.default(honour_env=True) if on else "keep (vLLM, unreported)"
     return [
         {"setting": "prefix_cache (at updates)", "value": mode, "source": src, "by": "prefix_cache",
          "stock": "stock", "reason": reasons[mode], "detection": "VLLM_RLPATCH_PREFIX_CACHE"},
