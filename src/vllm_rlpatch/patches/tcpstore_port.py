@@ -128,9 +128,7 @@ def apply() -> None:
 
 def revert() -> None:
     for late in _LATE:
-        late.revert()
-    for t in TARGETS:  # a target wrapped by an earlier choice (nothing when there is none)
-        _wrapping.unwrap(t, NAME)
+        late.revert()  # each unwraps exactly the targets it chose and wrapped
 
 
 SPEC = PatchSpec(
