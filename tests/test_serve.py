@@ -195,12 +195,14 @@ def test_a_sender_killed_mid_transfer_leaves_the_engine_serving(server, new_weig
     fp0 = _get(url, "/rlpatch/v1/fingerprint", token=tok)[1]["workers"]
     v0 = _get(url, "/rlpatch/v1/weight_version", token=tok)[1]["version"]
     before, _ = _complete(url)
+    seen = len(server[1].read_text())  # the log from here on
     kw = {"transport": "dist", "bucket_bytes": 64 << 10, "timeout_s": 60}
     _trainer(tmp_path, {"url": url, "weights": new_weights["C"], "kw": kw, "die_after_buckets": 2},
              expect_killed=True)
     deadline = time.time() + 90  # the server notices the dead sender (connection closed) and gives up
-    while time.time() < deadline and "failed (atomic mode)" not in server[1].read_text():
+    while time.time() < deadline and "not applied (weights unchanged)" not in server[1].read_text()[seen:]:
         time.sleep(1)
+    assert "not applied (weights unchanged)" in server[1].read_text()[seen:], "the server must say it failed"
     assert _get(url, "/rlpatch/v1/fingerprint", token=tok)[1]["workers"] == fp0
     assert _get(url, "/rlpatch/v1/weight_version", token=tok)[1]["version"] == v0
     after, _ = _complete(url)
@@ -209,7 +211,7 @@ def test_a_sender_killed_mid_transfer_leaves_the_engine_serving(server, new_weig
     _trainer(tmp_path, {"url": url, "weights": new_weights["C"], "kw": {**kw, "mode": "direct"},
                         "die_after_buckets": 6}, expect_killed=True)
     deadline = time.time() + 90  # ... until the coordinator (API server process) has seen the outcome
-    while time.time() < deadline and "this engine refuses to generate" not in server[1].read_text():
+    while time.time() < deadline and "this engine refuses to generate" not in server[1].read_text()[seen:]:
         time.sleep(1)
     with pytest.raises(urllib.error.HTTPError) as e:
         _complete(url)

@@ -147,6 +147,11 @@ def install_routes(app: Any) -> None:
                 return JSONResponse({"error": f"the refit request has no {key!r}"}, status_code=400)
         engine = _engine(request)
         out = await coordinate_on_async(engine, req, lambda g: run_async(g, _rpc(engine)))
+        if not out.get("ok") and out.get("state") != "mixed":  # (mixed: the front end already says so, louder)
+            # The trainer gets this in its report, but it may be gone (killed mid-transfer): the server says it too.
+            logger.warning("vllm-rlpatch: weight update %s from %s not applied (weights %s): %s", req["txid"],
+                           request.client.host if request.client else "?", out.get("state", "unchanged"),
+                           out.get("message"))
         return out
 
     app.include_router(router)
