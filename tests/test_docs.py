@@ -20,6 +20,17 @@ def test_readme_tables_are_generated_from_the_code():
     assert _section(readme, "upstream-table") == upstream.markdown(upstream.load_all()), hint
 
 
+def test_tested_versions_table_is_generated_from_the_sweep_json():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sweep_table", ROOT / "ci" / "sweep" / "table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    readme = (ROOT / "README.md").read_text()
+    assert mod.START in readme and mod.render() in readme, "run: python ci/sweep/table.py --write README.md"
+    assert len(mod.rows()) >= 3  # the sweep's JSON is committed
+
+
 def test_readme_commands_and_ci_agree():
     readme = (ROOT / "README.md").read_text()
     start = readme.index("## The two commands")

@@ -80,11 +80,13 @@ def test_plain_llm_with_no_arguments_loads_the_plugin_everywhere(tmp_path, versi
     gpu_memory_utilization (0.92) of *host* memory is free on CPU, which a machine already running the
     test suite cannot promise. No generate: vLLM's default torch.compile on a 2-core CPU can outlast its
     RPC timeout; the sized engine above samples. torch.compile (what a user gets) is on for the newest CI
-    version; elsewhere it is off, which does not change what is checked here: the plugin is in every process
-    and the defaults are applied before the model runner compiles anything (CI time: compiling costs ~70 s)."""
+    version; elsewhere the engine is eager (`enforce_eager=True`, with dynamo off vLLM's default compilation
+    config refuses to start), which does not change what is checked here: the plugin is in every process and
+    the defaults are applied before the model runner compiles anything (CI time: compiling costs ~70 s)."""
     compile_on = version.split("+")[0] == NEWEST_CI
+    bare = {"gpu_memory_utilization": 0.5, **({} if compile_on else {"enforce_eager": True})}
     run = run_engine(tmp_path, {"bare": True, "engine": {"model": model_path()}, "rpc": ["rlpatch_ping"],
-                                "bare_kwargs": {"gpu_memory_utilization": 0.5}},
+                                "bare_kwargs": bare},
                      TORCHDYNAMO_DISABLE="0" if compile_on else "1")
     r = run.check()
     assert r["logprobs_mode"] == "processed_logprobs"

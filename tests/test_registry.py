@@ -144,3 +144,21 @@ def test_two_owners_cannot_wrap_one_target():
     st = registry.apply_one(make_spec("second"), _info("0.25.1"))
     assert st.state == "failed" and "already wrapped by 'first'" in st.reason
     assert target_fn(1) == 2
+
+
+def test_late_wraps_revert_never_imports_a_module_it_did_not_wrap(tmp_path, monkeypatch):
+    """A LateWraps whose module vLLM never imported wrapped nothing; reverting it must not import the module
+    to find that out (importing a vLLM executor module has side effects and costs seconds)."""
+    (tmp_path / "rlp_never_imported.py").write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lw = _wrapping.LateWraps("rlp_never_imported", {"rlp_never_imported:f": lambda w, i, a, k: w(*a, **k)}, "t")
+    lw.apply()
+    lw.revert()
+    assert "rlp_never_imported" not in sys.modules
+    # and once the module is imported, apply wraps it and revert restores it
+    lw.apply()
+    import rlp_never_imported
+
+    assert _wrapping.is_wrapped("rlp_never_imported:f", "t")
+    lw.revert()
+    assert not _wrapping.is_wrapped("rlp_never_imported:f") and rlp_never_imported.f() == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -170,7 +171,9 @@ class LateWraps:
 
     def revert(self) -> None:
         self.active = False
-        fixed = [] if callable(self.targets) else list(self.targets)
+        # what this instance wrapped, and (a wrap made before a reset of `_wrapped`) fixed targets whose module
+        # is imported; a module never imported holds nothing of ours and is not imported to find that out
+        fixed = [] if callable(self.targets) else [t for t in self.targets if t.partition(":")[0] in sys.modules]
         for t in dict.fromkeys([*self._wrapped, *fixed]):
             unwrap(t, self.owner)
         self._wrapped.clear()

@@ -126,8 +126,10 @@ def generate(llm, vllm, op):
         c = o.outputs[0]
         lps = [(_lp(step[t].logprob) if t in step else None) for t, step in zip(c.token_ids, c.logprobs or [])]
         res.append({"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(c.token_ids), "logprobs": lps,
-                    "finish_reason": c.finish_reason,
-                    "spans": [list(s) for s in getattr(c, "rlpatch_weight_versions", None) or []]})
+                    "finish_reason": c.finish_reason, "num_cached_tokens": o.num_cached_tokens,
+                    "spans": [list(s) for s in getattr(c, "rlpatch_weight_versions", None) or []],
+                    **({"top": [[_lp(x.logprob) for x in step.values()] for step in c.logprobs or []]}
+                       if op.get("top") else {})})
     return {"requests": res}
 
 

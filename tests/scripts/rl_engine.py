@@ -36,7 +36,9 @@ def generate(llm, vllm, op):
             for tok, step in zip(c.token_ids, c.logprobs or []):
                 lps.append(_lp(step[tok].logprob) if tok in step else None)
             comps.append({"token_ids": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason,
-                          "spans": [list(s) for s in getattr(c, "rlpatch_weight_versions", None) or []]})
+                          "spans": [list(s) for s in getattr(c, "rlpatch_weight_versions", None) or []],
+                          **({"top": [[_lp(x.logprob) for x in step.values()] for step in c.logprobs or []]}
+                             if op.get("top") else {})})
         res.append({"prompt_token_ids": list(o.prompt_token_ids), "num_cached_tokens": o.num_cached_tokens,
                     "outputs": comps})
     return {"requests": res, "seconds": dt}

@@ -31,11 +31,7 @@ def _step(i: int, n: int, msg: str) -> None:
 @options.scoped_log_level
 def main(argv: list[str]) -> int:
     ap = options.parser("vllm-rlpatch demo", __doc__.split("\n\n")[0].replace("``", ""))
-    ap.add_argument("--model", default=models.DEFAULT,
-                    help=f"an embedded model ({', '.join(models.NAMES)}), a local model directory, or a hub id in the "
-                         f"local Hugging Face cache")
-    ap.add_argument("--allow-download", action="store_true",
-                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
+    usermodel.add_model_options(ap, default=models.DEFAULT)
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
     ap.add_argument("--top-p", type=float, default=0.9, help="top-p")
     ap.add_argument("--max-tokens", type=int, default=24, help="tokens per sample")
@@ -49,8 +45,7 @@ def main(argv: list[str]) -> int:
     if args.temperature <= 0:
         ap.error("--temperature must be > 0 (the demo samples)")
     try:
-        model = usermodel.resolve(args.model, allow_download=args.allow_download)
-        usermodel.require_vllm("demo")
+        model = usermodel.resolve_for(args, "demo")
         budget = usermodel.prompt_budget(usermodel.default_max_model_len(model, 512), args.max_tokens)
     except usermodel.ToolError as e:
         print(f"vllm-rlpatch demo: {e}", file=sys.stderr)

@@ -274,10 +274,9 @@ def main(argv: list[str]) -> int:
 
     ap = options.parser("vllm-rlpatch doctor", __doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--model", help="also show the RL-relevant settings an engine for this model would get; "
-                                    "further arguments are vLLM engine arguments (e.g. --logprobs-mode raw_logprobs)")
-    ap.add_argument("--allow-download", action="store_true",
-                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
+    usermodel.add_model_options(ap, help="also show the RL-relevant settings an engine for this model would get ("
+                                + usermodel.MODEL_HELP + "); further arguments are vLLM engine arguments (e.g. "
+                                "--logprobs-mode raw_logprobs)")
     options.add_log_options(ap)
     args, rest = ap.parse_known_args(argv)
     options.apply_log_options(args)
@@ -285,8 +284,7 @@ def main(argv: list[str]) -> int:
         ap.error(f"unrecognized arguments: {' '.join(rest)} (engine arguments need --model)")
     if args.model is not None:
         try:
-            args.model = usermodel.resolve(args.model, allow_download=args.allow_download)
-            usermodel.require_vllm("doctor --model")
+            args.model = usermodel.resolve_for(args, "doctor --model")
         except usermodel.ToolError as e:
             print(f"vllm-rlpatch doctor: {e}", file=sys.stderr)
             return 2

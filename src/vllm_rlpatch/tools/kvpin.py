@@ -400,10 +400,7 @@ def parser() -> argparse.ArgumentParser:
         "vllm-rlpatch kv-pin",
         "Measure the largest kv_cache_memory_bytes that survives sleep -> trainer reserve -> wake on "
                     "this GPU; print it with its KV capacity in tokens. Unknown options are vLLM engine args.")
-    ap.add_argument("--model", required=True, help="a local model directory, an embedded model name, or a hub id in "
-                                                   "the local Hugging Face cache")
-    ap.add_argument("--allow-download", action="store_true",
-                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
+    usermodel.add_model_options(ap, required=True)
     ap.add_argument("--trainer-reserve-gib", type=_gib("--trainer-reserve-gib"), default=0.0,
                     help="GiB the trainer keeps on this GPU while vLLM is awake (allocated during the check)")
     ap.add_argument("--margin-gib", type=_gib("--margin-gib"), default=DEFAULT_MARGIN_GIB,
@@ -456,8 +453,7 @@ def main(argv: list[str] | None = None, backend: Backend | None = None) -> int:
         args.rollout_tokens = args.max_concurrent_seqs * args.seq_len
     if backend is None:
         try:
-            args.model = usermodel.resolve(args.model, allow_download=args.allow_download)
-            usermodel.require_vllm("kv-pin")
+            args.model = usermodel.resolve_for(args, "kv-pin")
         except usermodel.ToolError as e:
             print(f"vllm-rlpatch kv-pin: {e}", file=sys.stderr)
             return 2

@@ -579,10 +579,7 @@ def main(argv: list[str]) -> int:
         "Rollout-vs-trainer logprob agreement per configuration (stock, each fix, all), before and after a\n"
         "weight update. With no arguments: the embedded model, T=0.7, top-p 0.9; the table on stdout,\n"
         "parity.json and parity.png in ./vllm-rlpatch-out/.")
-    ap.add_argument("--model", help="a local model directory (safetensors), an embedded model name, or a hub id in "
-                                    "the local Hugging Face cache; default: the embedded llama-tiny")
-    ap.add_argument("--allow-download", action="store_true",
-                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
+    usermodel.add_model_options(ap, help=usermodel.MODEL_HELP + "; default: the embedded llama-tiny")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the rollouts")
     ap.add_argument("--top-p", type=float, default=0.9, help="top-p of the rollouts")
     ap.add_argument("--top-k", type=int, default=0, help="top-k of the rollouts, 0 = off")
@@ -632,8 +629,7 @@ def main(argv: list[str]) -> int:
         ap.error(plot.missing_message("--plot"))
 
     try:
-        model = usermodel.resolve(args.model, allow_download=args.allow_download)
-        usermodel.require_vllm("parity")
+        model = usermodel.resolve_for(args, "parity")
     except usermodel.ToolError as e:
         print(f"vllm-rlpatch parity: {e}", file=sys.stderr)
         return 2

@@ -107,10 +107,7 @@ def _rlpatch_status() -> dict[str, Any]:
 def dump(argv: list[str]) -> int:
     ap = options.parser("vllm-rlpatch rollout-dump", "Sample every prompt n times with one seed per run; one JSON "
                         "line per sample.")
-    ap.add_argument("--model", default="llama-tiny", help="a local model directory, an embedded model name, or a hub id "
-                                                          "in the local Hugging Face cache")
-    ap.add_argument("--allow-download", action="store_true",
-                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
+    usermodel.add_model_options(ap, default="llama-tiny")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--prompts", help="a text file (one prompt per line) or JSONL with a \"prompt\" field")
     g.add_argument("--embedded", action="store_true", help="the embedded grammar's prompts (the default)")

@@ -84,3 +84,61 @@ def resolve_in_source(root: Path, target: str) -> tuple[bool, str]:
         bases = [b.id for b in cls.bases if isinstance(b, ast.Name)]
         cls = next((classes[b] for b in bases if b in classes), None)
     return False, f"{top}.{attr} missing in {path.name}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model Runner V2 (vllm/v1/worker/gpu/, the GPU default from 0.29; the only GPU runner in 0.34). The plugin
+# wraps nothing inside a model runner: its hooks sit in the engine core, scheduler, output processor, the
+# GPU worker and the model's LogitsProcessor, which both runners share. What it *uses* of the runner, and
+# what must hold for its hooks to see MRv2's paths, is listed here and checked at source level per release
+# (tests/source_level/test_mrv2.py; ci/sweep/source.py). Each entry: (what, module, class or "", needles):
+# every needle must occur in that class's source (or the module's, with class "").
+MRV2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+MRV2_CHECKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("the GPU worker builds the MRv2 runner", "vllm.v1.worker.gpu_worker", "",
+     ("from vllm.v1.worker.gpu.model_runner import GPUModelRunner",)),
+    ("the model (refit, weight events: workerctx.model_of -> runner.get_model())", MRV2_RUNNER, "GPUModelRunner",
+     ("def get_model(self)", "return self.model", "self.model = ")),
+    ("reload_weights on the runner (Worker.reload_weights, the layerwise reload)", MRV2_RUNNER, "GPUModelRunner",
+     ("def reload_weights(",)),
+    ("the KV cache config (refit memory report, kv-pin)", MRV2_RUNNER, "GPUModelRunner",
+     ("self.kv_cache_config = ",)),
+    ("logits from the model's compute_logits (fp32 head: LogitsProcessor)", MRV2_RUNNER, "GPUModelRunner",
+     ("self.model.compute_logits(",)),
+    ("compute_logits goes through LogitsProcessor._get_logits (the fp32 head's target)",
+     "vllm.model_executor.layers.logits_processor", "LogitsProcessor", ("self._get_logits(",)),
+    ("the runner's sampler gets the engine's logprobs_mode (processed logprobs)", MRV2_RUNNER, "GPUModelRunner",
+     ("logprobs_mode",)),
+    ("the MRv2 sampler returns processed logprobs in the processed modes", "vllm.v1.worker.gpu.sample.sampler",
+     "Sampler", ("PROCESSED_LOGPROBS_MODES",)),
+    ("the runner's outputs are vllm.v1.outputs.ModelRunnerOutput (the engine core's version spans)",
+     MRV2_RUNNER, "", ("from vllm.v1.outputs import", "ModelRunnerOutput")),
+)
+
+
+def _class_source(path: Path, cls: str) -> str | None:
+    text = path.read_text(encoding="utf-8")
+    if not cls:
+        return text
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return ast.get_source_segment(text, node)
+    return None
+
+
+def mrv2_in_source(root: Path) -> list[tuple[str, bool, str]]:
+    """Each MRv2 check against the vLLM tree at ``root``: (what, ok, detail)."""
+    out = []
+    for what, module, cls, needles in MRV2_CHECKS:
+        path = _module_file(root, module)
+        if path is None:
+            out.append((what, False, f"module {module} not found"))
+            continue
+        src = _class_source(path, cls)
+        if src is None:
+            out.append((what, False, f"class {cls} missing in {module}"))
+            continue
+        missing = [n for n in needles if n not in src]
+        where = f"{module}{':' + cls if cls else ''}"
+        out.append((what, not missing, f"{where}: missing {missing}" if missing else f"{where}: found"))
+    return out

@@ -47,6 +47,25 @@ INSTALL_VLLM = ("install vLLM next to vllm-rlpatch: `pip install vllm` on a CUDA
                 "on a CPU host")
 
 
+MODEL_HELP = (f"a local model directory, an embedded model name ({', '.join(models.NAMES)}), or a hub id in the "
+              "local Hugging Face cache")
+
+
+def add_model_options(ap: Any, *, default: str | None = None, required: bool = False, help: str | None = None) -> None:
+    """``--model`` and ``--allow-download``, the same on every subcommand that runs an engine."""
+    ap.add_argument("--model", default=default, required=required, help=help or MODEL_HELP)
+    ap.add_argument("--allow-download", action="store_true",
+                    help="fetch a --model hub id that is not in the local Hugging Face cache (default: never download)")
+
+
+def resolve_for(args: Any, what: str) -> str:
+    """``args.model`` resolved (:func:`resolve`, honouring ``--allow-download``) for a command that then runs
+    vLLM (:func:`require_vllm`); raises :class:`ToolError` (one line, exit 2)."""
+    model = resolve(args.model, allow_download=args.allow_download)
+    require_vllm(what)
+    return model
+
+
 def require_vllm(what: str = "this command") -> str:
     """The installed vLLM's version; raises :class:`ToolError` (one line, with what to install) without one."""
     import importlib.util
