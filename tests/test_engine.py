@@ -35,7 +35,7 @@ def expected_applied(version: str) -> set[str]:
     v = Version(version.split("+")[0])
     out = {"weight_events", "worker_extension", "rl_defaults", "fp32_lm_head", "kv_cache_pin", "prefix_cache",
            "refit_guard", "refit_http"}
-    if v < Version("0.28"):
+    if v < Version("0.27"):
         out.add("wake_order_guard")
     if v < Version("0.22"):
         out.add("async_preempt_discard")

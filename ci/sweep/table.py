@@ -38,7 +38,8 @@ def rows() -> list[dict]:
 
 
 def render() -> str:
-    lines = ["| vLLM | evidence | patches applied / not needed / not run here | checks | result |",
+    lines = ["| vLLM | evidence | patches: applied / not needed (each agreeing with its probe) / not run here "
+             "(state by gate and source probe) | checks | result |",
              "|---|---|---|---|---|"]
     for d in rows():
         v = d["vllm"]
@@ -47,8 +48,8 @@ def render() -> str:
             ev = f"CPU sweep ({d['distribution']}, torch {d['torch'].split('+')[0]}, {d['date']})"
             pats = d.get("patches", {})
             applied = sorted(n for n, x in pats.items() if x["state"] == "applied" and x["run"] == "cpu")
-            not_needed = sorted(n for n, x in pats.items() if x["state"] == "not_needed")
-            not_run = sorted(n for n, x in pats.items() if x["run"] != "cpu")
+            not_needed = sorted(n for n, x in pats.items() if x["state"] == "not_needed" and x["run"] == "cpu")
+            not_run = sorted(f"{n}: {x['state']}" for n, x in pats.items() if x["run"] != "cpu")
             disagree = sorted(n for n, x in pats.items() if x["agrees"] is False)
             patch_cell = (f"{len(applied)} / {len(not_needed)} ({', '.join(not_needed) or '-'}) / "
                           f"{len(not_run)} ({', '.join(not_run)})")

