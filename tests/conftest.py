@@ -69,6 +69,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def summaries_in(log: str) -> list[dict]:
+    """The plugin's per-process summary lines in a vLLM log, as dicts."""
+    return [dict(zip(("pid", "role", "vllm", "dist", "applied", "skipped", "failed"), g))
+            for g in SUMMARY_RE.findall(log)]
+
+
 class EngineRun:
     def __init__(self, proc: subprocess.CompletedProcess, status_dir: Path):
         self.proc = proc
@@ -78,8 +84,7 @@ class EngineRun:
         self.status_dir = status_dir
 
     def summaries(self) -> list[dict]:
-        return [dict(zip(("pid", "role", "vllm", "dist", "applied", "skipped", "failed"), g))
-                for g in SUMMARY_RE.findall(self.log)]
+        return summaries_in(self.log)
 
     def status_files(self) -> list[dict]:
         if not self.status_dir.exists():

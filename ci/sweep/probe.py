@@ -65,17 +65,15 @@ def topk_probe(requests: list[dict]) -> dict:
 
 
 def _err(run_requests, weights_dir, sampling) -> dict:
+    """The mismatch (tests/reference.py) of the request that agrees worst with the fp32 reference of
+    WEIGHTS_DIR."""
     import reference as R
 
     model = R.load(weights_dir)
-    worst = {"token_mult_prob_error": 0.0}
-    for q in run_requests:
-        ref = R.token_logprobs(model, q["prompt_token_ids"], q["token_ids"],
-                               temperature=sampling.get("temperature", 1.0))
-        m = R.mismatch(q["logprobs"], ref)
-        if m["token_mult_prob_error"] > worst["token_mult_prob_error"] or "n" not in worst:
-            worst = m
-    return worst
+    ms = [R.mismatch(q["logprobs"], R.token_logprobs(model, q["prompt_token_ids"], q["token_ids"],
+                                                     temperature=sampling.get("temperature", 1.0)))
+          for q in run_requests]
+    return max(ms, key=lambda m: m["token_mult_prob_error"])
 
 
 class Sweep:
@@ -93,17 +91,23 @@ class Sweep:
 
 
 def run_script(script: str, spec: dict, work: Path, **env) -> tuple[dict | None, str]:
+    """tests/scripts/SCRIPT with SPEC written to a JSON file in WORK (the scripts' convention)."""
+    f = work / f"{script}.{len(list(work.iterdir()))}.json"
+    f.write_text(json.dumps(spec))
+    return run_script_args(script, [str(f)], work, **env)
+
+
+def run_script_args(script: str, args: list[str], work: Path, timeout: float = 900, **env) -> tuple[dict | None, str]:
+    """(its `RESULT {...}` line or None, stdout+stderr): unlike conftest.run_script, a failed run is a finding
+    recorded in the JSON, not an assertion."""
     import subprocess
 
     from conftest import SCRIPTS, clean_env
 
-    f = work / f"{script}.{len(list(work.iterdir()))}.json"
-    f.write_text(json.dumps(spec))
-    p = subprocess.run([sys.executable, str(SCRIPTS / script), str(f)], capture_output=True, text=True,
-                       timeout=900, env=clean_env(**env), cwd=str(work))
-    log = p.stdout + p.stderr
+    p = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True,
+                       timeout=timeout, env=clean_env(**env), cwd=str(work))
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    return (json.loads(lines[-1][7:]) if p.returncode == 0 and lines else None), log
+    return (json.loads(lines[-1][7:]) if p.returncode == 0 and lines else None), p.stdout + p.stderr
 
 
 def main(argv=None) -> int:
@@ -133,7 +137,7 @@ def probe(work: Path) -> dict:
 
     import torch
 
-    from conftest import SUMMARY_RE, amx_host, model_path
+    from conftest import amx_host, model_path, summaries_in
     from vllm_rlpatch import _wrapping, registry
     from vllm_rlpatch.patches import ALL_PATCHES
     from vllm_rlpatch.tools.targets import all_targets
@@ -181,8 +185,7 @@ def probe(work: Path) -> dict:
             "weights": {"B": weights_b}, "ops": ops}
     r1, log1 = run_script("refit_engine.py", spec, work)
     (work / "engine1.log").write_text(log1)
-    summaries = [dict(zip(("pid", "role", "vllm", "dist", "applied", "skipped", "failed"), g))
-                 for g in SUMMARY_RE.findall(log1)]
+    summaries = summaries_in(log1)
     out["plugin"] = {"pids": len({x["pid"] for x in summaries}), "roles": sorted({x["role"] for x in summaries}),
                      "failed": sorted({f for x in summaries for f in x["failed"].split(",") if f}),
                      "applied_in_worker": next((x["applied"].split(",") for x in summaries if x["role"] == "worker"),
@@ -275,7 +278,8 @@ def probe(work: Path) -> dict:
     except Exception as e:  # noqa: BLE001
         bugs["tcpstore_port"] = {"bug": None, "evidence": f"probe failed: {type(e).__name__}: {e}"}
     say("async scheduling after a forced preemption (vllm#42043), unpatched")
-    ap_r, ap_log = run_script_args("async_preempt.py", [model_path()], work, VLLM_RLPATCH_ASYNC_PREEMPT_DISCARD="0")
+    ap_r, ap_log = run_script_args("async_preempt.py", [model_path()], work, timeout=600,
+                                   VLLM_RLPATCH_ASYNC_PREEMPT_DISCARD="0")
     if ap_r is None:
         bugs["async_preempt_discard"] = {"bug": None, "evidence": "probe failed: " + ap_log[-500:]}
     else:
@@ -327,16 +331,6 @@ def _flatten(q: dict) -> dict:
     return {"prompt_token_ids": q["prompt_token_ids"], "num_cached_tokens": q["num_cached_tokens"],
             "token_ids": c["token_ids"], "logprobs": c["logprobs"], "spans": c["spans"], "top": c.get("top", [])}
 
-
-def run_script_args(script: str, args: list[str], work: Path, **env) -> tuple[dict | None, str]:
-    import subprocess
-
-    from conftest import SCRIPTS, clean_env
-
-    p = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=600,
-                       env=clean_env(**env), cwd=str(work))
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    return (json.loads(lines[-1][7:]) if p.returncode == 0 and lines else None), p.stdout + p.stderr
 
 
 if __name__ == "__main__":
