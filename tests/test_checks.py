@@ -55,3 +55,23 @@ def test_moved_blocks_change_the_checksum_not_only_the_sum():
 def test_the_same_bytes_viewed_as_another_dtype_have_the_same_key():
     t = torch.randn(1234).to(torch.bfloat16)
     assert C.digest_torch(t).key == C.digest_torch(t.view(torch.int16)).key == C.digest_torch(t.view(torch.uint8)).key
+
+
+def test_the_triton_kernels_copy_check_and_digest_by_the_definition():
+    """The digest kernel and the fused copy-and-check kernel (the GPU's write + post-write check of a
+    validated update), run by Triton's interpreter on this CPU: windows inside a larger tensor copied, the
+    read-back digests equal the sources', a wrong or block-swapped expectation reported."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(root / "tests/scripts/triton_interp.py")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["copied"] and out["copy_bad"] == [] and out["detects"] == [2] and out["digest_kernel_equal"]

@@ -85,6 +85,22 @@ def kernel_checks(res, nbytes):
         xs["copy"].append(timed(lambda: dst.copy_(buf))[0])
         xs["fused_check"].append(timed(lambda: checks.digests([buf]))[0])
         xs["torch_int32_block_sums"].append(timed(lambda: w[: m * 4096].view(m, 4096).sum(1, dtype=torch.int32).sum())[0])
+    # the fused copy-and-check kernel (the write + post-write check of a validated update): one pass that copies
+    # and reads every destination block back; its digests must be the source's (random bf16: wrap-around sums)
+    if checks.kernel_available("cuda"):
+        half = buf.numel() // 2
+        srcs, dsts = [buf[:half], buf[half:]], [dst[:half], dst[half:]]
+        want = [d.key for d in checks.digests(srcs)]
+        dst.zero_()
+        plan = checks.copy_check_plan(dsts, srcs)
+        r["copy_check_available"] = plan is not None
+        if plan is not None:
+            r["copy_check_matches"] = plan.run_and_compare(want) == [] and bool(torch.equal(dst, buf))
+            wrong = list(want)
+            wrong[1] = want[0]
+            r["copy_check_detects"] = plan.run_and_compare(wrong) == [1]
+            xs["copy_check"] = [timed(plan.run)[0] for _ in range(7)]
+            xs["copy_then_digest"] = [timed(lambda: (dst.copy_(buf), checks.digests(dsts)))[0] for _ in range(7)]
     r.update({k + "_ms": med(v) * 1e3 for k, v in xs.items()}, gb=nbytes / 1e9, kernel_error=checks._KERNEL_ERROR)
     del buf, dst, w
     gc.collect()
@@ -110,6 +126,92 @@ def summary(rep):
     return {"seconds": rep.seconds, "guarantee": rep.guarantee, "path": rep.path, "backup": rep.backup,
             "post_check": rep.post_check, "checks": rep.checks, "stages": rep.stages, "state": rep.state,
             "version": rep.version, "peak_extra_device_bytes": rep.peak_extra_device_bytes}
+
+
+def _worker_profile_on(worker):
+    """(collective_rpc callable) Profile the worker's refit RPCs from now on."""
+    import cProfile
+
+    from vllm_rlpatch.refit import transaction as T
+
+    prof = cProfile.Profile()
+    orig = T.WorkerRefit.commit
+    depth = [0]
+
+    def profiled(fn, *a, **k):  # nested calls: one enable/disable around the outermost
+        depth[0] += 1
+        if depth[0] == 1:
+            prof.enable()
+        try:
+            return fn(*a, **k)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:
+                prof.disable()
+
+    def commit(self, *a, **k):
+        return profiled(orig, self, *a, **k)
+
+    T.WorkerRefit.commit = commit
+    T._bench_profile = (prof, orig, None)
+    try:  # the engine core's handling of the RPC around the worker (tensor parallel 1: the same process)
+        from vllm.v1.engine.core import EngineCoreProc
+
+        orig_h = EngineCoreProc.__dict__["_handle_client_request"]
+
+        def handle(self, *a, **k):
+            return profiled(orig_h, self, *a, **k)
+
+        EngineCoreProc._handle_client_request = handle
+        T._bench_profile = (prof, orig, orig_h)
+    except Exception:  # noqa: BLE001 - the worker's part only
+        pass
+    return True
+
+
+def _worker_profile_off(worker):
+    import io
+    import pstats
+
+    from vllm_rlpatch.refit import transaction as T
+
+    prof, orig, orig_h = T._bench_profile
+    T.WorkerRefit.commit = orig
+    if orig_h is not None:
+        from vllm.v1.engine.core import EngineCoreProc
+
+        EngineCoreProc._handle_client_request = orig_h
+    out = {}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(28)
+        out[key] = buf.getvalue()[-6000:]
+    return out
+
+
+def profiles(llm, weights, configs):
+    """Where the time of one call goes, in the trainer and in the worker (cProfile: the figures are inflated by
+    the profiler, the shares are what counts)."""
+    import cProfile
+    import io
+    import pstats
+
+    out = {}
+    for key, kw in configs:
+        try:
+            llm.collective_rpc(_worker_profile_on)
+        except Exception as e:  # noqa: BLE001 - recorded
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        prof = cProfile.Profile()
+        for _ in range(3):
+            prof.enable()
+            push(llm, weights, **kw)
+            prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(28)
+        out[key] = {"trainer_tottime": buf.getvalue()[-6000:], "worker": llm.collective_rpc(_worker_profile_off)[0]}
+    return out
 
 
 def upstream_round(llm, weights, samples):
@@ -229,6 +331,9 @@ def main() -> int:
         if samples.get(up):
             fg[f"{up}_x_default"] = med(samples[up]) / med(samples["default"])
             fg[f"{up}_x_direct_noverify"] = med(samples[up]) / med(samples["direct_noverify"])
+    if os.environ.get("RLPATCH_BENCH_PROFILE", "1") == "1":
+        fg["profiles"] = profiles(llm, weights, configs)
+        save()
     # rollback asked for explicitly on the full GPU: the backup goes to the pinned host arena, overlapped
     pin = []
     for _ in range(3):

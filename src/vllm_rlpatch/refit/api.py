@@ -210,6 +210,10 @@ class Outgoing:
             raise P.RefitError("the update contains no tensors", kind="validation")
         self.transport = "cuda_ipc_layout" if self.layout is not None else _pick_transport(opts.transport,
                                                                                            self.tensors, tgt)
+        # cuda_ipc: the worker reads this very memory, hashed once, here. The kernel starts now and runs while
+        # the metadata is built and checked and the handles are made (send() reads its result)
+        self._digests = checks.PendingDigests([t for _, t in self.tensors]) \
+            if self.transport in ("cuda_ipc", "cuda_ipc_layout") and opts.verify else None
         self.metas = _metas(self.tensors)
         self.stages: dict[str, float] = {}
         self.sender: Any = None
@@ -261,11 +265,6 @@ class Outgoing:
                                    "shm or dist with a URL target, or cuda_ipc with a vllm.LLM/AsyncLLM/Ray target",
                                    kind="validation")
             t1 = time.perf_counter()
-            if o.verify:  # the worker reads this very memory: hashed once, here (fused kernel)
-                for m, d in zip(self.metas, checks.digests([t for _, t in self.tensors])):
-                    m.fingerprint, m.nonfinite = d.key, d.nonfinite
-            self.stages["fingerprint"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
             if tr == "cuda_ipc":
                 handles = ipc_handles(self.tensors)
                 self.req["transport"] = {"kind": "cuda_ipc", "handles": handles}
@@ -274,6 +273,12 @@ class Outgoing:
                 self.req["transport"] = {"kind": "cuda_ipc_layout", "handle": self.layout.handle(),
                                          "views": {n: list(v) for n, v in self.layout.spec_views.items()}}
             self.stages["ipc_handles"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            if self._digests is not None:  # started in __init__; the wait for the kernel is what is left of it
+                for m, d in zip(self.metas, self._digests.result()):
+                    m.fingerprint, m.nonfinite = d.key, d.nonfinite
+                self._digests = None
+            self.stages["fingerprint"] = time.perf_counter() - t1
             torch.cuda.synchronize()
         else:
             raise P.RefitError(f"transport {tr!r} is not available for a {self.tgt.kind} target", kind="validation")

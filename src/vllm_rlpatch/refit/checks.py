@@ -30,7 +30,15 @@ from typing import Iterable, Sequence
 import torch
 
 BLOCK_WORDS = 4096  # 16 KiB per checksum block
-GROUP = 2  # checksum blocks per kernel program (a [2, 4096] tile, 32 KiB): fewer programs and atomics
+# Launch configurations measured on an H200 over the 291 tensors of a Llama-3-8B shape (16.06 GB;
+# benchmarks/gpu/check_kernels.py, benchmarks/results/check_kernels-h200.json): checksum blocks per program and
+# warps. The digest kernel: 4 blocks x 4 warps 4.54 ms (2 x 8: 4.81 ms; a device copy of the bytes 7.66 ms).
+# The copy-and-check kernel: 1 block x 8 warps 10.8 ms (2 x 8: 14.6 ms; per-tensor copies then a digest pass:
+# 14.0 ms). Neither changes the digest's definition.
+GROUP = 4
+DIGEST_WARPS = 4
+COPY_GROUP = 1
+COPY_WARPS = 8
 _MASK32 = 0xFFFFFFFF
 # exponent masks of the floating formats whose non-finite values the kernel reads from the bits
 _HALF_MASKS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
@@ -167,20 +175,20 @@ _WORK_LOCK = threading.Lock()
 _WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _worklist(nwords: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tensor index, first block index) of every program (GROUP blocks of one tensor), on the device;
+def _worklist(nwords: tuple[int, ...], device: torch.device, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tensor index, first block index) of every program (``group`` blocks of one tensor), on the device;
     cached per shape list."""
-    key = (nwords, str(device))
+    key = (nwords, str(device), group)
     with _WORK_LOCK:
         hit = _WORK.get(key)
         if hit is not None:
             return hit
-        span = BLOCK_WORDS * GROUP
+        span = BLOCK_WORDS * group
         counts = torch.tensor([(n + span - 1) // span for n in nwords], dtype=torch.int64, device=device)
         t_idx = torch.repeat_interleave(torch.arange(len(nwords), device=device, dtype=torch.int32), counts)
         starts = torch.cumsum(counts, 0) - counts
         b_idx = ((torch.arange(int(counts.sum()), device=device, dtype=torch.int64)
-                  - torch.repeat_interleave(starts, counts)) * GROUP).to(torch.int32)
+                  - torch.repeat_interleave(starts, counts)) * group).to(torch.int32)
         if len(_WORK) > 16:
             _WORK.clear()
         _WORK[key] = (t_idx, b_idx)
@@ -245,7 +253,7 @@ class DigestPlan:
         for mode, mask, ptrs, nw, t_idx, b_idx, rows, part in self.launches:
             part.zero_()
             self.kern[(t_idx.numel(),)](ptrs, nw, t_idx, b_idx, part, MODE=mode, MASK=mask, BLOCK=BLOCK_WORDS,
-                                        GROUP=GROUP, num_warps=8)
+                                        GROUP=GROUP, num_warps=DIGEST_WARPS)
             self.acc.index_copy_(0, rows, part.view(-1, 3))
         return self.acc
 
@@ -258,7 +266,8 @@ _PLANS: dict[tuple, DigestPlan] = {}
 
 
 def _plan_key(tensors: Sequence[torch.Tensor]) -> tuple:
-    return tuple((t.data_ptr(), t.numel() * t.element_size(), t.dtype, t.device.index) for t in tensors)
+    # addresses are unique across the devices of one process (unified virtual addressing): no device needed
+    return tuple((t.data_ptr(), t.nbytes, t.dtype) for t in tensors)
 
 
 def _cached_plan(tensors: Sequence[torch.Tensor]) -> DigestPlan | None:
@@ -322,6 +331,33 @@ def kernel_available(device: torch.device | str | None = None) -> bool:
     return _KERNEL_ERROR is None and torch.cuda.is_available() and _kernel() is not None
 
 
+class PendingDigests:
+    """Digests started now and read later: on a GPU the kernel is launched at once (asynchronously) and
+    :meth:`result` waits for it, so the caller's CPU work in between (metadata, handles) overlaps it.
+    Elsewhere :meth:`result` computes them."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.tensors = list(tensors)
+        self.plan: DigestPlan | None = None
+        self.acc: torch.Tensor | None = None
+        ts = self.tensors
+        if ts and _KERNEL_ERROR is None and ts[0].is_cuda:
+            plan = _cached_plan(ts)
+            try:
+                if plan is None and all(_kernel_ok(t) for t in ts) and kernel_available(ts[0].device):
+                    plan = digest_plan(ts)
+                if plan is not None:
+                    self.acc, self.plan = plan.run(), plan
+            except Exception as e:  # noqa: BLE001 - the torch reduction in result()
+                _disable_kernel(e)
+
+    def result(self) -> list[Digest]:
+        if self.plan is not None and self.acc is not None:
+            vals = self.acc.tolist()  # one device synchronisation
+            return [Digest(s & _MASK32, p & _MASK32, int(bad), n) for (s, p, bad), n in zip(vals, self.plan.nbytes)]
+        return digests(self.tensors)
+
+
 # ------------------------------------------------------------------------------------------ public
 def digests(tensors: Iterable[torch.Tensor]) -> list[Digest]:
     """The digest of every tensor: CUDA tensors through the kernel (one launch per dtype class and device),
@@ -347,6 +383,148 @@ def digests(tensors: Iterable[torch.Tensor]) -> list[Digest]:
         for i, d in zip(idx, ds):
             out[i] = d
     return out  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------------------ copy + check
+@functools.lru_cache(maxsize=1)
+def _copy_kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def copy_check_kernel(src_ptrs, dst_ptrs, nwords, work_t, work_b, out, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                          READBACK: tl.constexpr = 0):
+        # one program: GROUP checksum blocks of one window; copy them, then read the destination back and digest
+        # what it holds (s, p as in digest_kernel); two atomic adds per program
+        pid = tl.program_id(0)
+        ti = tl.load(work_t + pid)
+        b0 = tl.load(work_b + pid).to(tl.int64)
+        src = tl.load(src_ptrs + ti).to(tl.pointer_type(tl.int32))
+        dst = tl.load(dst_ptrs + ti).to(tl.pointer_type(tl.int32))
+        n = tl.load(nwords + ti)
+        blocks = b0 + tl.arange(0, GROUP).to(tl.int64)
+        offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        m = offs < n
+        w = tl.load(src + offs, mask=m, other=0)
+        tl.store(dst + offs, w, mask=m)
+        # READBACK 0: a block barrier, then every thread reads the destination back from memory (volatile: from
+        # L2, not from registers); 1: the same without the barrier (each thread reads back its own stores);
+        # 2: an L2 (.cg) load without the barrier; 3: no read-back, the stored values are digested (a bound
+        # for measurements, not a check of the destination)
+        if READBACK == 0:
+            tl.debug_barrier()
+            r = tl.load(dst + offs, mask=m, other=0, volatile=True)
+        elif READBACK == 1:
+            r = tl.load(dst + offs, mask=m, other=0, volatile=True)
+        elif READBACK == 2:
+            r = tl.load(dst + offs, mask=m, other=0, cache_modifier=".cg")
+        else:
+            r = w
+        bs = tl.sum(r, axis=1)
+        s = tl.sum(bs, axis=0)
+        p = tl.sum(bs * (blocks + 1).to(tl.int32), axis=0)
+        tl.atomic_add(out + ti * 2 + 0, s)
+        tl.atomic_add(out + ti * 2 + 1, p)
+
+    return copy_check_kernel
+
+
+def copy_check_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Can the fused copy-and-check kernel take this window? Same dtype (a byte copy, no cast), both
+    contiguous, whole 4-byte words, aligned."""
+    return (dst.dtype == src.dtype and dst.device == src.device and dst.is_contiguous() and src.is_contiguous()
+            and dst.numel() == src.numel() and dst.numel() > 0 and (dst.numel() * dst.element_size()) % 4 == 0
+            and dst.data_ptr() % 4 == 0 and src.data_ptr() % 4 == 0)
+
+
+class CopyCheckPlan:
+    """The write of a validated update and its post-write check as one kernel pass: every (source, destination
+    window) pair is copied block by block, and each block of the destination is read back from memory right
+    after its store and digested. The digests are those of :class:`DigestPlan` (the same definition), so they
+    compare with the sources' validated digests; the pass costs about one copy instead of a copy plus a
+    digest pass over the destination. Prepared once per list of windows (an update template repeats them)."""
+
+    def __init__(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]):
+        kern = _copy_kernel()
+        assert kern is not None
+        self.kern = kern
+        self.dev = dst[0].device
+        nwords = tuple(d.numel() * d.element_size() // 4 for d in dst)
+        self.src_ptrs = torch.tensor([t.data_ptr() for t in src], dtype=torch.int64, device=self.dev)
+        self.dst_ptrs = torch.tensor([t.data_ptr() for t in dst], dtype=torch.int64, device=self.dev)
+        self.nwords = torch.tensor(nwords, dtype=torch.int64, device=self.dev)
+        self.t_idx, self.b_idx = _worklist(nwords, self.dev, COPY_GROUP)
+        self.acc = torch.zeros(len(dst), 2, dtype=torch.int32, device=self.dev)
+        self.n = len(dst)
+
+    def run(self) -> torch.Tensor:
+        """Copy every window and return the ``[n, 2]`` (s, p) digests of what the destinations hold (device)."""
+        self.acc.zero_()
+        self.kern[(self.t_idx.numel(),)](self.src_ptrs, self.dst_ptrs, self.nwords, self.t_idx, self.b_idx, self.acc,
+                                         BLOCK=BLOCK_WORDS, GROUP=COPY_GROUP, num_warps=COPY_WARPS)
+        return self.acc
+
+    def run_and_compare(self, expected: Sequence[str | None]) -> list[int]:
+        """Copy, check, and return the indexes whose destination digest is not ``expected`` (None: unchecked).
+        One synchronisation."""
+        acc = self.run()
+        want = parse_keys(expected)
+        have = [i for i, w in enumerate(want) if w is not None]
+        if not have:
+            torch.cuda.synchronize(self.dev) if self.dev.type == "cuda" else None
+            return []
+        exp = torch.tensor([want[i] for i in have], dtype=torch.int64).to(self.dev, non_blocking=True)
+        got = (acc if len(have) == self.n else acc[torch.tensor(have, device=self.dev)]).to(torch.int64) & _MASK32
+        bad = (got != exp).any(dim=1).nonzero().flatten().tolist()
+        return [have[i] for i in bad]
+
+
+_COPY_PLANS: dict[tuple, CopyCheckPlan] = {}
+_COPY_WARM: set[str] = set()
+
+
+def _copy_kernel_warm(device: torch.device) -> bool:
+    """Compile the kernel on scratch memory before it touches a model (a kernel that fails to build must not
+    leave an update half-written): False, and the two-pass copy + check from then on, if it fails."""
+    if str(device) in _COPY_WARM:
+        return True
+    try:
+        a = torch.arange(8, dtype=torch.int32, device=device)
+        b = torch.zeros(8, dtype=torch.int32, device=device)
+        bad = CopyCheckPlan([b], [a]).run_and_compare([digest_torch(a.cpu()).key])
+        if bad or not torch.equal(a, b):
+            raise RuntimeError("the fused copy-and-check kernel gave a wrong result on scratch memory")
+    except Exception as e:  # noqa: BLE001
+        _disable_kernel(e)
+        return False
+    _COPY_WARM.add(str(device))
+    return True
+
+
+def copy_check_plan(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> CopyCheckPlan | None:
+    """A :class:`CopyCheckPlan` for these windows (cached by their addresses and sizes), or None where the kernel
+    does not apply (not CUDA, no Triton, a window it cannot take: the caller copies and checks in two passes)."""
+    if not dst or len(dst) != len(src) or _KERNEL_ERROR is not None or not dst[0].is_cuda:
+        return None
+    key = tuple((d.data_ptr(), s.data_ptr(), d.nbytes) for d, s in zip(dst, src))
+    with _WORK_LOCK:
+        plan = _COPY_PLANS.get(key)
+    if plan is not None:
+        return plan
+    if not kernel_available(dst[0].device) or _copy_kernel() is None \
+            or not all(copy_check_ok(d, s) for d, s in zip(dst, src)):
+        return None
+    if not _copy_kernel_warm(dst[0].device):
+        return None
+    plan = CopyCheckPlan(dst, src)
+    with _WORK_LOCK:
+        if len(_COPY_PLANS) > 8:
+            _COPY_PLANS.clear()
+        _COPY_PLANS[key] = plan
+    return plan
 
 
 _KERNEL_ERROR: str | None = None

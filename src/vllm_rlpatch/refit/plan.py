@@ -195,12 +195,25 @@ class CopyPlan:
             for e in self.entries:
                 seen.setdefault(id(e.dst), e)
             uniq = self._uniq = list(seen.values())
-        for e in uniq:
-            d = e.dst.data
-            if d.is_meta or d.untyped_storage().data_ptr() != e.dst_ptr:
-                return f"{e.name}: its parameter no longer lives where the plan recorded it (re-pointed by a reload, " \
-                       "a sleep or a LoRA change)"
+        # vLLM's parameter classes override __torch_function__: reading a storage through them runs Python per
+        # call; the subclass dispatch is off for these reads (plain tensor semantics, the same storage)
+        with torch._C.DisableTorchFunctionSubclass():
+            for e in uniq:
+                try:  # the parameter's own storage (no .data alias to build); a meta tensor's is at 0
+                    ptr = e.dst.untyped_storage().data_ptr()
+                except (RuntimeError, NotImplementedError):
+                    ptr = -1
+                if ptr != e.dst_ptr or e.dst.is_meta:
+                    return f"{e.name}: its parameter no longer lives where the plan recorded it (re-pointed by a " \
+                           "reload, a sleep or a LoRA change)"
         return None
+
+    def window_bytes(self) -> int:
+        """Bytes of every destination window (what a backup of a whole update holds)."""
+        n = self.__dict__.get("_window_bytes")
+        if n is None:
+            n = self._window_bytes = sum(e.dst.element_size() * _numel(e.dst_geom[0]) for e in self.entries)
+        return n
 
     def entries_for(self, names: set[str] | None = None) -> list[Entry]:
         return [e for e in self.entries if names is None or e.name in names]

@@ -265,9 +265,14 @@ class WorkerRefit:
                 if tmpl is None:
                     return _fail("template", "unchanged", "unknown update template (the engine restarted?): send the "
                                  "full request", stages, tx.checks)
-                metas = [P.TensorMeta(m.name, m.dtype, m.shape, m.nbytes, m.segment, m.offset, fp, nf)
-                         for m, fp, nf in zip(tmpl["metas"], req.get("fingerprints") or [None] * len(tmpl["metas"]),
-                                              req.get("nonfinite") or [None] * len(tmpl["metas"]))]
+                metas = tmpl["metas"]  # the template's own records, this update's digests written into them
+                fps = req.get("fingerprints") or [None] * len(metas)
+                nfs = req.get("nonfinite") or [None] * len(metas)
+                if len(fps) != len(metas) or len(nfs) != len(metas):
+                    return _fail("validation", "unchanged", f"the update template has {len(metas)} tensors, the "
+                                 f"request {len(fps)} digests", stages, tx.checks)
+                for m, fp, nf in zip(metas, fps, nfs):
+                    m.fingerprint, m.nonfinite = fp, nf
                 probs = []
             else:
                 metas = [P.TensorMeta.from_dict(d) for d in req["tensors"]]
@@ -301,8 +306,10 @@ class WorkerRefit:
             part = _Part(req, metas, source)
             tx.stage("open", _now() - t1)
             names = {m.name for m in metas if m.name not in schema.aliases}
+            live_now = False  # the plan's liveness proven in this call
             if tx.path is None:
                 tx.path = "plan" if self._plan_usable(names, tx) else "layerwise"
+                live_now = tx.path == "plan"
             elif tx.path == "plan" and not self._plan_usable(names, tx):
                 return _fail("validation", tx_state_now(tx), "this part has tensors the copy plan does not cover "
                              "(an earlier part of the session took the plan path)", stages, tx.checks)
@@ -336,9 +343,10 @@ class WorkerRefit:
                                  "session (its earlier parts are restored)", stages, tx.checks)
             if tx.guarantee == "validate-then-write" and tx.path == "plan":
                 entries = self.plan.entries_for(names)
-                static_key = (id(self.plan), tx.allow_cast, len(entries))
+                static_key = (self.plan, tx.allow_cast, len(entries))
                 if tmpl is not None and tmpl.get("static_ok") == static_key:
-                    why = self.plan.live()  # the sources are the template's: only liveness can change
+                    # the sources are the template's: only liveness can change (proven just above, or now)
+                    why = None if live_now else self.plan.live()
                 else:
                     why = self.plan.preconditions(entries, part.tensors or {}, tx.allow_cast)
                     if why is None and tmpl is not None:
@@ -423,8 +431,11 @@ class WorkerRefit:
         dev = self.device
         slots = 1
         if tx.path == "plan":
-            ents = self.plan.entries_for(None if not (tx.session or tx.partial) else {m.name for m in part.metas})
-            need, slots = sum(e.dst.element_size() * _numel(e.dst_geom[0]) for e in ents), len(ents)
+            if tx.session or tx.partial:
+                ents = self.plan.entries_for({m.name for m in part.metas})
+                need, slots = sum(e.dst.element_size() * _numel(e.dst_geom[0]) for e in ents), len(ents)
+            else:
+                need, slots = self.plan.window_bytes(), self.plan.copies
             kind = "device" if dev.type == "cuda" else "host"
         else:
             need, slots = B.state_bytes(self.model), B.state_count(self.model)
@@ -487,8 +498,7 @@ class WorkerRefit:
         t0 = _now()
         dev = self.device
         if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-            base_alloc = torch.cuda.memory_allocated(dev)
+            base_alloc = _reset_peak(dev)
         error: BaseException | None = None
         findings = None
         try:
@@ -496,7 +506,8 @@ class WorkerRefit:
             if part is not None:
                 tx.pending = None
                 if tx.path == "plan":
-                    self._write_plan(tx, part)
+                    # prepared in this very call (one worker: one RPC), liveness was proven a moment ago
+                    self._write_plan(tx, part, live_proven=request is not None)
                 else:
                     findings = self._write_layerwise(tx, part, final)
                 tx.parts.append(part)
@@ -518,7 +529,7 @@ class WorkerRefit:
             error = e
         tx.stage("commit", _now() - t0)
         if dev.type == "cuda":
-            tx.extra_device = max(tx.extra_device, torch.cuda.max_memory_allocated(dev) - base_alloc)
+            tx.extra_device = max(tx.extra_device, _peak(dev) - base_alloc)
         if error is not None:
             return self._failed(tx, error, findings)
         if not final:
@@ -535,12 +546,19 @@ class WorkerRefit:
         return out
 
     # plan path ----------------------------------------------------------------------------------------------
-    def _write_plan(self, tx: _Tx, part: _Part) -> None:
+    def _write_plan(self, tx: _Tx, part: _Part, live_proven: bool = False) -> None:
         plan = self.plan
+        tmpl = self._template_of(part)
         aliases = self.schema().aliases
         names = {n for n in part.names if n not in aliases}
-        entries = plan.entries_for(names)
-        if tx.guarantee == "validate-then-write":  # proven again right before the first byte moves
+        ekey = (plan, frozenset(names))  # the plan object itself: an id could be reused
+        if tmpl is not None and tmpl.get("entries_key") == ekey:
+            entries = tmpl["entries"]
+        else:
+            entries = plan.entries_for(names)
+            if tmpl is not None:
+                tmpl["entries_key"], tmpl["entries"] = ekey, entries
+        if tx.guarantee == "validate-then-write" and not live_proven:  # proven again before the first byte moves
             why = plan.live()
             if why is not None:
                 raise P.RefitError(f"validate-then-write: {why}", kind="validation")
@@ -576,6 +594,26 @@ class WorkerRefit:
                 plan.copy(entries[:1], sources)
                 tx.written = True
                 self._fault(tx, "after_first_write")
+            fused = None
+            if (tx.verify or tx.guarantee == "validate-then-write") and not tx.fault and self.device.type == "cuda":
+                # the copies and the post-write check in one pass: each destination block is read back right
+                # after its store and digested (about one copy's time instead of a copy plus a digest pass)
+                fused = self._copy_check(tmpl, entries, sources)
+            if fused is not None:
+                whole = tmpl.get("fused_names") if tmpl is not None and tmpl.get("fused") is fused else None
+                want = [part.expected.get(n) for n in whole] if whole is not None else \
+                    self._expected_windows(entries, part)
+                tx.written = True
+                bad = [entries[i].name for i in fused.run_and_compare(want)]
+                tx.stage("write_check", _now() - t1)
+                tx.check("plan_copy")
+                tx.check("copy_readback")
+                tx.post_check = "window_digests"
+                tx.check("window_digests")
+                if bad:
+                    raise P.RefitError(f"after the write, {len(bad)} destination window(s) do not hold the validated "
+                                       f"bytes: {', '.join(bad[:6])}", kind="commit")
+                return
             graph = self._copy_graph(part, entries, sources) if not tx.fault else None
             if graph is not None:
                 graph.replay()  # the template's copies, captured once: one launch
@@ -598,6 +636,21 @@ class WorkerRefit:
                 raise P.RefitError(f"after the write, {len(bad)} destination window(s) do not hold the validated bytes: "
                                    f"{', '.join(bad[:6])}", kind="commit")
 
+    def _template_of(self, part: _Part) -> dict[str, Any] | None:
+        return self.templates.get(part.req.get("template") or (part.req.get("transport") or {}).get("key") or "")
+
+    def _copy_check(self, tmpl: dict[str, Any] | None, entries, sources):
+        """The fused copy-and-check kernel's plan for these windows (kept by an update template with the names
+        whose digests its windows must have), or None where it does not apply."""
+        key = (self.plan, len(entries))  # the plan object (kept alive by the key), not its id
+        if tmpl is not None and tmpl.get("fused_key") == key:
+            return tmpl["fused"]
+        fused = checks.copy_check_plan(self.plan.windows(entries), self.plan.source_windows(entries, sources))
+        if tmpl is not None and fused is not None:
+            tmpl["fused_key"], tmpl["fused"] = key, fused
+            tmpl["fused_names"] = [e.name for e in entries] if all(e.whole_source for e in entries) else None
+        return fused
+
     def _copy_graph(self, part: _Part, entries, sources):
         """A CUDA graph of the plan's copies for an update template (its sources and the plan's windows stay
         the same tensors step after step): captured on the template's second use, replayed after. None where
@@ -605,7 +658,7 @@ class WorkerRefit:
         tmpl = self.templates.get(part.req.get("template") or (part.req.get("transport") or {}).get("key") or "")
         if tmpl is None or self.device.type != "cuda" or tmpl.get("graph_failed"):
             return None
-        key = (id(self.plan), len(entries))
+        key = (self.plan, len(entries))
         g = tmpl.get("graph")
         if g is not None and tmpl.get("graph_key") == key:
             return g
@@ -862,10 +915,12 @@ class WorkerRefit:
         tx.windows = tx.state_backup = None
         for kind, a in list(self.arenas.items()):
             # host arenas stay for the next update; device memory goes back to the trainer at once
+            held = kind == "device" and bool(a.chunks)
             a.release(keep=kind != "device")
-            if kind == "device" and a.capacity == 0 and self.device.type == "cuda":
+            if kind == "device" and self.device.type == "cuda":
                 del self.arenas[kind]
-                torch.cuda.empty_cache()
+                if held:  # the allocator's cache only holds something when the arena did
+                    torch.cuda.empty_cache()
 
     # --------------------------------------------------------------- layout, fingerprint
     def layout(self) -> dict[str, Any]:
@@ -925,6 +980,26 @@ def _close(source: Source) -> None:
 
 def _is_dist(source: Source) -> bool:
     return type(source).__name__ == "DistSource"
+
+
+def _reset_peak(dev: torch.device) -> int:
+    """Reset the allocator's peak and return what is allocated now. The allocator's counters are read directly
+    (``torch.cuda.memory_allocated`` flattens every statistic into a dict first: ~1 ms per update)."""
+    try:
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        torch._C._cuda_resetPeakMemoryStats(idx)
+        return int(torch._C._cuda_memoryStats(idx)["allocated_bytes"]["all"]["current"])
+    except Exception:  # noqa: BLE001 - another torch: the public calls
+        torch.cuda.reset_peak_memory_stats(dev)
+        return torch.cuda.memory_allocated(dev)
+
+
+def _peak(dev: torch.device) -> int:
+    try:
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        return int(torch._C._cuda_memoryStats(idx)["allocated_bytes"]["all"]["peak"])
+    except Exception:  # noqa: BLE001
+        return torch.cuda.max_memory_allocated(dev)
 
 
 def _numel(size) -> int:
