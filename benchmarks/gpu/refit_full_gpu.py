@@ -189,6 +189,26 @@ def _worker_profile_off(worker):
     return out
 
 
+def _meta_tensors(worker):
+    """(collective_rpc callable) Names of the model's parameters and buffers that are on the meta device (a
+    layer left mid-reload); empty when every weight is materialised."""
+    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+    out = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t is not None and t.is_meta]
+    return out[:20]
+
+
+def meta_check(llm, res, where):
+    """Record where a weight first shows up on the meta device (the run goes on)."""
+    try:
+        bad = llm.collective_rpc(_meta_tensors)[0]
+    except Exception as e:  # noqa: BLE001
+        bad = [f"check failed: {type(e).__name__}: {e}"]
+    res.setdefault("meta_trace", []).append({"where": where, "meta": bad})
+    if bad:
+        print(f"[full-gpu] META after {where}: {bad[:5]}", flush=True)
+    return bad
+
+
 def profiles(llm, weights, configs):
     """Where the time of one call goes, in the trainer and in the worker (cProfile: the figures are inflated by
     the profiler, the shares are what counts)."""
@@ -316,7 +336,9 @@ def main() -> int:
             rep = push(llm, weights, **kw2)
             samples.setdefault(key, []).append(rep.seconds)
             reports[key] = summary(rep)
+        meta_check(llm, res, f"round {r + 1} pushes")
         upstream_round(llm, weights, samples)
+        meta_check(llm, res, f"round {r + 1} upstream")
         print(f"[full-gpu] round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in samples.items()
                                                          if isinstance(v[-1], float)), flush=True)
     floor = res["copy_ms"] / 1e3 + med(samples["rpc_noop"])
@@ -333,15 +355,18 @@ def main() -> int:
             fg[f"{up}_x_direct_noverify"] = med(samples[up]) / med(samples["direct_noverify"])
     if os.environ.get("RLPATCH_BENCH_PROFILE", "1") == "1":
         fg["profiles"] = profiles(llm, weights, configs)
+        meta_check(llm, res, "profiles")
         save()
     # rollback asked for explicitly on the full GPU: the backup goes to the pinned host arena, overlapped
     pin = []
-    for _ in range(3):
+    for i in range(3):
         rep = push(llm, weights, guarantee="rollback")
         pin.append(rep.seconds)
+        meta_check(llm, res, f"rollback push {i + 1} ({rep.path})")
     fg["rollback_pinned_ms"] = med(pin) * 1e3
     fg["rollback_pinned_samples_s"] = pin
     fg["rollback_pinned_report"] = summary(rep)
+    meta_check(llm, res, "rollback pushes")
     res["greedy_full_gpu"] = greedy(llm, vllm)
     save()
     del hog

@@ -34,6 +34,7 @@ logger = logging.getLogger("vllm.rlpatch")
 
 _LOCK = threading.Lock()
 _registered_pid: int | None = None
+_fork_role_pending = False  # this process was forked from a registered one and has not been named yet
 _register_seconds: float | None = None
 _fork_hook_installed = False
 
@@ -45,6 +46,28 @@ _ROLE_FRAMES = (
     ("__post_init__", "frontend"),
     ("_run", "model_inspection"),
 )
+
+
+# A process vLLM forks (GPU hosts: the engine core, multiprocess workers) inherits the plugin and vLLM's own
+# "plugins loaded" flag, so vLLM never loads the plugins there again: the child names itself from the frame that
+# started it, still on its stack right after the fork.
+_FORK_FRAMES = (
+    ("CoreEngineProcManager.__init__", "engine_core"),
+    ("make_worker_process", "worker"),
+)
+
+
+def _fork_role() -> str | None:
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        qual = getattr(code, "co_qualname", code.co_name)
+        if "/vllm/" in code.co_filename.replace("\\", "/"):
+            for needle, role in _FORK_FRAMES:
+                if qual.endswith(needle):
+                    return role
+        f = f.f_back
+    return None
 
 
 def _detect_role() -> str:
@@ -121,8 +144,12 @@ def _after_fork_in_child() -> None:
     parent = _registered_pid
     if parent is None or parent == os.getpid():
         return
+    global _fork_role_pending
     _registered_pid = os.getpid()
-    _role.set(f"forked:{_role.get()}")
+    named = _fork_role()
+    # named now from the launching frame, else when (if) vLLM loads its plugins here (register() below)
+    _fork_role_pending = named is None
+    _role.set(named or f"forked:{_role.get()}")
     try:
         statuses = registry.status()
         _log_summary(f"{_summary(statuses)} (inherited from pid {parent} via fork)")
@@ -148,9 +175,22 @@ def register_as(role: str) -> None:
 
 
 def _register(role: str | None) -> None:
-    global _registered_pid, _register_seconds, _fork_hook_installed
+    global _registered_pid, _register_seconds, _fork_hook_installed, _fork_role_pending
     with _LOCK:
         if _registered_pid == os.getpid():
+            if _fork_role_pending:
+                # a forked process (vLLM forks its engine core on a GPU host) inherited the patches; when vLLM
+                # loads its plugins here, the process says what it is (not "forked:frontend")
+                _fork_role_pending = False
+                detected = role or _detect_role()
+                if detected != "other":
+                    _role.set(detected)
+                    try:
+                        statuses = registry.status()
+                        _log_summary(f"{_summary(statuses)} (patches inherited via fork)")
+                        _write_status_file(statuses, {"forked": True})
+                    except Exception:
+                        pass
             return
         t0 = time.perf_counter()
         _role.set(role or _detect_role())

@@ -159,7 +159,9 @@ class CopyPlan:
             for e in self.entries:
                 src = self._src_view(sources[e.name], e.src_geom)
                 dst = self._dst_view(e.dst, e.dst_geom)
-                if not torch.equal(dst, src.to(dst.dtype)):
+                # the sources may be on the host (shm, dist on CPU) while the parameters are on a GPU: one
+                # window at a time is brought to the parameter's device
+                if not torch.equal(dst, src.to(device=dst.device, dtype=dst.dtype)):
                     return f"{e.name}: the window the plan records does not hold the loaded tensor"
         self.verified = True
         return None

@@ -803,6 +803,11 @@ class WorkerRefit:
             self.plan, self.plan_note = False, f"not usable: {e}"
             logger.info("vllm-rlpatch: refit copy plan not usable for this model: %s", e)
             return
+        except Exception as e:  # noqa: BLE001 - the plan is an optimisation: the update itself has landed
+            self.plan, self.plan_note = None, f"capture failed ({type(e).__name__}: {e}); retried on the next update"
+            logger.warning("vllm-rlpatch: recording the refit copy plan failed (%s: %s); updates keep vLLM's "
+                           "layerwise reload until a capture succeeds", type(e).__name__, e)
+            return
         if why is not None:
             self.plan, self.plan_note = False, f"not usable: {why}"
             logger.warning("vllm-rlpatch: refit copy plan failed verification: %s", why)
