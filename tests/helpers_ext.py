@@ -132,6 +132,24 @@ class FrameworkExtension(HeadProbeExtension):
         except Exception as e:
             return {"ok": False, "calls": n, "error": f"{type(e).__name__}: {e}"}
 
+    def framework_open_vllm_reload(self):
+        """Open vLLM's own layerwise reload the way its weight-transfer API does (``start_weight_update``) and
+        leave it open: the layers' parameters are on the meta device until their weights arrive."""
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        from vllm_rlpatch.hooks import workerctx
+
+        with workerctx.vllm_config_ctx(self):
+            initialize_layerwise_reload(self.model_runner.model)
+        return {"ok": True}
+
+    def framework_abort_vllm_reload(self):
+        """Put every layer of an open reload back (the previous weights)."""
+        from vllm_rlpatch.hooks import layerwise
+
+        layerwise.abort_open_reload(self)
+        return {"ok": not layerwise.reload_active(self.model_runner.model)}
+
     def framework_reload_in_two_calls(self, path, poison_uninitialized=True):
         """reload_weights with the weights split in two calls, one fused qkv layer split between them: the
         first call carries q_proj of layer 0 and everything else, the second its k_proj and v_proj.

@@ -35,12 +35,13 @@ EXPECT = {  # case -> (error kind, engine state afterwards)
     "not_tensor": ("validation", "unchanged"), "half_layer": ("commit", "unchanged"),
     "sender_stops": ("transport", "unchanged"), "old_version": ("validation", "unchanged"),
     "asleep": ("refused", "unchanged"), "tied_mismatch": ("validation", "unchanged"),
+    "vllm_reload": ("refused", "unchanged"),
 }
 WORDS = {"unknown": "did you mean", "missing": "not in the update", "shape": "shape", "dtype": "allow_cast",
          "nan": "NaN", "inf": "infinite", "duplicate": "appears 2 times", "empty": "no tensors",
          "not_tensor": "not a torch.Tensor", "half_layer": "received only part of their elements",
          "sender_stops": "did not arrive", "old_version": "not greater than", "asleep": "asleep",
-         "tied_mismatch": "ties them"}
+         "tied_mismatch": "ties them", "vllm_reload": "finish_weight_update"}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,11 @@ def main(tmp_path_factory, weights):
     ops = [_gen("g0"), _fp("fp0"), _snap("snap0"), *_bad_ops(BAD), _gen("g0_after_bad"),
            {"op": "sleep", "name": "sleep"}, {"op": "push", "name": "bad_asleep"}, _eq("eq_asleep"),
            {"op": "wake_up", "name": "wake"},
+           # vLLM's own weight update left open (start_weight_update without finish): refused, nothing written
+           {"op": "rpc", "name": "open_reload", "method": "framework_open_vllm_reload"},
+           {"op": "push", "name": "bad_vllm_reload"},
+           {"op": "rpc", "name": "abort_reload", "method": "framework_abort_vllm_reload"}, _eq("eq_vllm_reload"),
+           _gen("g_after_vllm_reload"),
            # 16 KiB buckets: most tensors are larger and travel alone in a segment of their own size
            {"op": "push", "name": "push_B", "kw": {"bucket_bytes": 16 << 10}}, {"op": "version", "name": "v_B"},
            _gen("g_B"), _fp("fp_B"), _snap("snap_B"),
@@ -238,7 +244,7 @@ def test_the_shared_engine_ends_in_the_state_its_last_update_left(main):
 
 def test_every_bad_input_is_refused_and_the_old_weights_stay(main):
     assert main["snap0"]["result"][0]["tensors"] > 0
-    for case in BAD + ["asleep"]:
+    for case in BAD + ["asleep", "vllm_reload"]:
         r = main[f"bad_{case}"]
         assert not r["ok"], (case, r)
         kind, state = EXPECT[case]
@@ -248,6 +254,8 @@ def test_every_bad_input_is_refused_and_the_old_weights_stay(main):
         assert eq, (case, detail)  # torch.equal: bit-identical old weights
     # ... and the engine kept serving exactly as before
     assert _same(_reqs(main, "g0_after_bad"), _reqs(main, "g0")) == 0.0
+    assert main["abort_reload"]["result"][0]["ok"]  # vLLM's reload put back: the engine serves as before
+    assert _same(_reqs(main, "g_after_vllm_reload"), _reqs(main, "g0")) == 0.0
     # a version that does not increase, after an update
     r = main["bad_old_version"]
     assert (r["kind"], r["state"]) == EXPECT["old_version"] and WORDS["old_version"] in r["message"]

@@ -255,6 +255,12 @@ class WorkerRefit:
             if tx.guarantee is None and req.get("guarantee", "auto") not in P.GUARANTEES:
                 return _fail("validation", "unchanged", f"guarantee={req.get('guarantee')!r}: use one of "
                              f"{', '.join(P.GUARANTEES)}", stages, tx.checks)
+            if new and layerwise.reload_active(self.model):
+                # vLLM's own update (start_weight_update ... finish_weight_update, or a reload that did not
+                # finish) holds the layers on the meta device: its finish would overwrite whatever we write
+                return _fail("refused", "unchanged", "vLLM's own weight update is open on this engine (its layers are "
+                             "being reloaded: start_weight_update without finish_weight_update, or a reload that "
+                             "did not finish); finish or abort it before push_weights", stages, tx.checks)
             schema = self.schema()
             partial = tx.partial or tx.session
             tmpl = None
