@@ -26,12 +26,13 @@ How:   ``SamplingParams(extra_args={"rlpatch_support": True})`` asks for it per 
        ``lp_processed(token) = lp_T(token) - log_mass_kept`` for any trainer's lp_T (the trainer twin does it).
        Greedy rows: in an all-greedy batch vLLM skips temperature and truncation (processed logprobs are the
        full softmax), reported as log_mass_kept 0; in a mixed batch greedy rows are processed at T=1, as vLLM
-       does. Not supported (``rlpatch_support`` stays absent; a WARNING for speculative decoding): speculative decoding, Model Runner V2
-       (vLLM >= 0.29 GPU default; its sampler is another class), pooling models. With the toggle off no sampler
+       does. Not supported (``rlpatch_support`` stays absent, one WARNING when a request asks): speculative
+       decoding; Model Runner V2 (the GPU default from vLLM 0.29: its sampler is another class, wrapped only to
+       say so; ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1 there); vLLM >= 0.34 (no V1 runner: ``unsupported``). With the toggle off no sampler
        or runner hook is installed; on, a batch in which no request asked costs one dict lookup per request.
 Targets: vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens and AsyncGPUModelRunnerOutput.get_output,
-       vllm.v1.sample.sampler:Sampler.sample and Sampler.apply_temperature (worker, wrapped when vLLM imports
-       them); the engine-core hook (Scheduler.update_from_output, OutputProcessor.process_outputs,
+       vllm.v1.sample.sampler:Sampler.sample and Sampler.apply_temperature, vllm.v1.worker.gpu.sample.sampler:
+       Sampler.add_request (MRv2: the WARNING) (worker, wrapped when vLLM imports them); the engine-core hook (Scheduler.update_from_output, OutputProcessor.process_outputs,
        RequestState._new_completion_output).
 Upstream: vLLM 0.32 ``return_sampling_mask`` (MRv2 + processed logprobs only; a vocabulary-sized mask per
        token); no per-token kept mass upstream.
@@ -62,6 +63,8 @@ T_SAMPLE_TOKENS = f"{RUNNER}:GPUModelRunner.sample_tokens"
 T_ASYNC_OUTPUT = f"{RUNNER}:AsyncGPUModelRunnerOutput.get_output"
 T_SAMPLE = f"{SAMPLER}:Sampler.sample"
 T_TEMPERATURE = f"{SAMPLER}:Sampler.apply_temperature"
+MRV2_SAMPLER = "vllm.v1.worker.gpu.sample.sampler"
+T_MRV2_ADD = f"{MRV2_SAMPLER}:Sampler.add_request"
 
 
 class SamplingSupport(NamedTuple):
@@ -261,6 +264,18 @@ _WORKER = (
 )
 
 
+def _mrv2_add_request_wrapper(wrapped, instance, args, kwargs):
+    sp = args[1] if len(args) > 1 else kwargs.get("sampling_params")
+    if wants(sp):
+        _warn_once("mrv2", "a request asked for rlpatch_support, but this engine runs Model Runner V2, which the "
+                           "patch does not hook (V1 only): no support information. VLLM_USE_V2_MODEL_RUNNER=0 "
+                           "selects the V1 runner on vLLM < 0.34; vLLM's own --return-sampling-mask is MRv2's")
+    return wrapped(*args, **kwargs)
+
+
+_MRV2 = _wrapping.LateWraps(MRV2_SAMPLER, {T_MRV2_ADD: _mrv2_add_request_wrapper}, OWNER)
+
+
 # ------------------------------------------------------------------------------------------ engine core
 def _engine_core(scheduler: Any, mro: Any, outputs: dict) -> None:
     sup = getattr(mro, "rlpatch_support", None)
@@ -319,12 +334,12 @@ CHANNEL = engine_core.Channel(NAME, engine_core=_engine_core, frontend=_frontend
 def apply() -> None:
     engine_core.require(NAME)
     engine_core.add_channel(CHANNEL)
-    for lw in _WORKER:
+    for lw in (*_WORKER, _MRV2):
         lw.apply()
 
 
 def revert() -> None:
-    for lw in _WORKER:
+    for lw in (*_WORKER, _MRV2):
         lw.revert()
     engine_core.remove_channel(NAME)
     engine_core.release(NAME)
@@ -334,9 +349,9 @@ SPEC = PatchSpec(
     name=NAME,
     summary="Per-token kept-set mass and size from the sampler, opt-in per request "
             "(extra_args={'rlpatch_support': True}): CompletionOutput.rlpatch_support",
-    vllm=">=0.20",
+    vllm=">=0.20,<0.34",  # vLLM 0.34 removed the V1 runner (MRv2 is not hooked)
     targets=(),
-    lazy_targets=(T_SAMPLE_TOKENS, T_ASYNC_OUTPUT, T_SAMPLE, T_TEMPERATURE, *engine_core.TARGETS),
+    lazy_targets=(T_SAMPLE_TOKENS, T_ASYNC_OUTPUT, T_SAMPLE, T_TEMPERATURE, T_MRV2_ADD, *engine_core.TARGETS),
     apply=apply,
     revert=revert,
     upstream="vLLM 0.32 return_sampling_mask (Model Runner V2 only, a vocabulary-sized mask per token)",
