@@ -13,12 +13,11 @@ How:   ``SamplingParams(extra_args={"rlpatch_support": True})`` asks for it per 
        request's ``extra_args``); only then do the sampler hooks compute anything. A batch whose processing
        cannot mask a token (no top-k/top-p, no active min-p, no allowed-ids/bad-words mask) costs nothing:
        log mass 0, size V. Otherwise ``Sampler.apply_temperature`` (the logits after penalties and
-       temperature, before min-p/top-k/top-p) gives the full-vocabulary log-normalizer (one fused
-       ``log_softmax`` pass), and after ``Sampler.sample`` the same tensor holds the truncated logits (vLLM's
+       temperature, before min-p/top-k/top-p) gives the full-vocabulary log-normalizer (max, then one exp
+       pass into a reused buffer on a CPU), and after ``Sampler.sample`` the same tensor holds the truncated logits (vLLM's
        min-p, top-k and top-p mask it in place; checked on every step: the sampled token must be finite there):
-       the kept-set size is its count of finite values and its log-normalizer is
-       ``x[token] - processed_logprob[token]`` (no second pass; one ``log_softmax`` of the masked row when no
-       processed logprob was computed). Per opted-in
+       the kept-set size is its count of values that are not -inf and its log-normalizer is
+       ``x[token] - processed_logprob[token]`` (no second exp pass unless no processed logprob was computed). Per opted-in
        request: ``log_mass_kept = lse_kept - lse_T`` (<= 0) and ``kept_count``, attached to the
        ``ModelRunnerOutput`` (picklable, so it crosses to the engine core on every executor), put into the
        request's ``EngineCoreOutput`` by an engine-core output channel
@@ -47,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import Any, NamedTuple
 
 from vllm_rlpatch import _wrapping
@@ -81,7 +81,8 @@ class SamplingSupport(NamedTuple):
     engine: dict
 
 
-RUNTIME: dict[str, Any] = {"steps": 0, "rows": 0, "skipped": {}}
+# This process's counters (a worker's: steps with support computed, rows, seconds spent in the hooks' own work).
+RUNTIME: dict[str, Any] = {"steps": 0, "rows": 0, "seconds": 0.0}
 _warned: set[str] = set()
 
 
@@ -157,18 +158,60 @@ def _step_of(runner: Any) -> _Step | None:
     return _Step(req_ids, rows, len(req_ids), _engine_of(runner))
 
 
+_SCRATCH: dict[tuple, Any] = {}
+
+
+def _scratch(like, dtype=None):
+    """A reused buffer shaped like ``like`` on a CPU (a fresh multi-MB allocation per step costs page faults
+    that dwarf the arithmetic there); None elsewhere (the CUDA caching allocator reuses memory itself)."""
+    if like.device.type != "cpu":
+        return None
+    import torch
+
+    dtype = dtype or like.dtype
+    key = (dtype,)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < like.numel():
+        buf = _SCRATCH[key] = torch.empty(like.numel(), dtype=dtype)
+    return buf[: like.numel()].view(like.shape)
+
+
+def _lse(x):
+    """logsumexp over the last dimension of a [R, V] fp32 tensor: max, exp into a reused buffer, sum."""
+    import torch
+
+    m = x.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=m.dtype, device=m.device))
+    buf = _scratch(x)
+    e = torch.exp(x - m) if buf is None else torch.exp(torch.sub(x, m, out=buf), out=buf)
+    return m.squeeze(1) + torch.log(e.sum(dim=-1))
+
+
+def _kept_count(x):
+    import torch
+
+    buf = _scratch(x, torch.bool)
+    neg = torch.isneginf(x) if buf is None else torch.isneginf(x, out=buf)
+    return x.shape[-1] - neg.sum(dim=-1)
+
+
 def _sample_tokens_wrapper(wrapped, instance, args, kwargs):
+    t0 = time.perf_counter()
     step = _step_of(instance)
     if step is None:
+        RUNTIME["seconds"] += time.perf_counter() - t0
         return wrapped(*args, **kwargs)
     prev = getattr(_TLS, "step", None)
     _TLS.step = step
+    spent = time.perf_counter() - t0
     try:
         out = wrapped(*args, **kwargs)
     finally:
         _TLS.step = prev
+    t1 = time.perf_counter()
     if step.result is not None:
         _attach(out, step)
+    RUNTIME["seconds"] += spent + (time.perf_counter() - t1)
     return out
 
 
@@ -179,12 +222,11 @@ def _temperature_wrapper(wrapped, instance, args, kwargs):
             and out.shape[0] == step.num_rows:
         import torch
 
+        t0 = time.perf_counter()
         x = out if step.all_rows else out.index_select(0, torch.tensor(step.rows, device=out.device))
-        # logsumexp = max - log_softmax(x)[argmax]: log_softmax is one fused pass (torch.logsumexp on CPU is
-        # ~7x slower at 32 x 32k)
-        mx, arg = x.max(dim=-1, keepdim=True)
-        step.lse_t = (mx - x.log_softmax(dim=-1).gather(1, arg)).squeeze(1)
+        step.lse_t = _lse(x)
         step.tempered = out  # vLLM's min-p / top-k / top-p mask this very tensor in place
+        RUNTIME["seconds"] += time.perf_counter() - t0
     return out
 
 
@@ -209,6 +251,7 @@ def _sample_wrapper(wrapped, instance, args, kwargs):
     finally:
         step.in_sample = False
     step.done = True
+    t0 = time.perf_counter()
     try:
         sampled, processed = out
         mode = override or getattr(instance, "logprobs_mode", None)
@@ -219,6 +262,7 @@ def _sample_wrapper(wrapped, instance, args, kwargs):
                    type(e).__name__, e)
     finally:
         step.tempered = None
+        RUNTIME["seconds"] += time.perf_counter() - t0
     return out
 
 
@@ -235,20 +279,20 @@ def _support(step: _Step, logits, md, sampled, processed, mode):
             raise RuntimeError("the sampler applied no temperature in a batch that is not all greedy")
         x = pick(logits)
         log_mass = torch.zeros(x.shape[0], dtype=torch.float32, device=dev)
-        count = (x > float("-inf")).sum(-1)
-        return step, log_mass, count
+        return step, log_mass, _kept_count(x)
     x = pick(step.tempered)
     x_tok = x.gather(1, tok).squeeze(1)
-    if not bool(torch.isfinite(x_tok).all()):
+    ok = torch.isfinite(x_tok)  # the sampled token must be in the masked tensor's kept set
+    if x.device.type == "cpu" and not bool(ok.all()):  # (on a GPU no sync here: NaN marks such a row below)
         raise RuntimeError("a sampled token is masked in the sampler's logits after sampling (vLLM no longer "
                            "truncates the tempered logits in place?)")
-    count = (x > float("-inf")).sum(-1)  # (a compare is ~6x cheaper than isfinite on CPU)
+    count = _kept_count(x)
     if mode == "processed_logprobs" and processed is not None and processed.shape == step.tempered.shape:
         lse_kept = x_tok - pick(processed).gather(1, tok).squeeze(1)
     else:
-        mx, arg = x.max(dim=-1, keepdim=True)
-        lse_kept = (mx - x.log_softmax(dim=-1).gather(1, arg)).squeeze(1)
+        lse_kept = _lse(x)
     log_mass = torch.clamp_max(lse_kept - step.lse_t, 0.0)
+    log_mass = torch.where(ok, log_mass, torch.full_like(log_mass, float("nan")))
     return step, log_mass, count
 
 
@@ -270,9 +314,11 @@ def _attach(out: Any, step: _Step) -> None:
         import torch
 
         if isinstance(log_mass, list):
-            out._rlpatch_support_pending = (step, torch.tensor([log_mass, count], dtype=torch.float32), None)
-        elif log_mass.is_cuda:
-            both = torch.stack([log_mass.float(), count.float()]).to("cpu", non_blocking=True)
+            both, ev = torch.tensor([log_mass, count], dtype=torch.float32), None
+        elif log_mass.is_cuda:  # into pinned memory: the copy does not block the host
+            src = torch.stack([log_mass.float(), count.float()])
+            both = torch.empty(src.shape, dtype=torch.float32, pin_memory=True)
+            both.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
         else:
@@ -318,13 +364,16 @@ def _engine_core(scheduler: Any, mro: Any, outputs: dict) -> None:
         return
     index = {rid: i for i, rid in enumerate(sup["req_ids"])}
     lm, cnt, eng = sup["log_mass_kept"], sup["kept_count"], sup["engine"]
+    live = getattr(scheduler, "requests", None) or {}
     for eco in outputs.values():
         for o in getattr(eco, "outputs", ()) or ():
             i = index.get(o.request_id)
             if i is None or not o.new_token_ids:
                 continue
             n = len(o.new_token_ids)  # one per step without speculative decoding
-            engine_core.put_payload(o, NAME, [[lm[i]] * n, [cnt[i]] * n, eng])
+            req = live.get(o.request_id)
+            first = req is None or len(getattr(req, "output_token_ids", ()) or ()) <= n
+            engine_core.put_payload(o, NAME, [[lm[i]] * n, [cnt[i]] * n, eng if first else None])
 
 
 # ------------------------------------------------------------------------------------------ front end
@@ -336,6 +385,8 @@ def _frontend(state: Any, payload: Any, n_before: int) -> None:
     d = state.__dict__.get(_STATE)
     if d is None:
         d = state.__dict__[_STATE] = {"lm": [], "cnt": [], "engine": eng}
+    elif eng is not None:
+        d["engine"] = eng
     while len(d["lm"]) < n_before:  # tokens that came without information
         d["lm"].append(math.nan)
         d["cnt"].append(-1)
