@@ -9,7 +9,7 @@ prompts are token ids, ``skip_tokenizer_init``): ``small`` (hidden 1024, 4 layer
 parameters, still far smaller than any real 32k-vocabulary LLM) and ``tiny`` (hidden 256, 2 layers: the
 worst case, where the sampler is most of a decoding step). Per model, engine A has the plugin's defaults
 (``sampling_support`` applied): interleaved rounds (order rotated) of the same batch (32 requests x 16 prompt
-tokens x 96 generated tokens) with ``extra_args={"rlpatch_support": True}`` (on) and without (off), for three
+tokens x 64 generated tokens) with ``extra_args={"rlpatch_support": True}`` (on) and without (off), for three
 sampling settings: T=1.0 with no truncation (the patch's zero-work path), T=0.7 / top-p 0.9 and T=0.7 /
 top-k 50 (its full path; top-k alone is vLLM's cheapest truncation, so the largest relative cost). Engines
 run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the time the patch's hooks spent (their own
@@ -48,7 +48,7 @@ if __name__ == "__main__":
 
     def params(sampling, on):
         extra = {"extra_args": {"rlpatch_support": True}} if on else {}
-        return [vllm.SamplingParams(**sampling, max_tokens=96, ignore_eos=True, detokenize=False, seed=s, **extra)
+        return [vllm.SamplingParams(**sampling, max_tokens=64, ignore_eos=True, detokenize=False, seed=s, **extra)
                 for s in range(len(prompts))]
 
     from vllm_rlpatch.patches import sampling_support as S
@@ -166,7 +166,7 @@ def main() -> int:
               "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d"),
               "load_average_at_end": os.getloadavg(), "vocab": 32768,
               "weights": "seeded random (bf16), lm_head x20; Llama shape, head_dim 64",
-              "batch": "32 requests x 16 prompt tokens x 96 generated tokens (ignore_eos), seeds fixed",
+              "batch": "32 requests x 16 prompt tokens x 64 generated tokens (ignore_eos), seeds fixed",
               "rounds": args.rounds, "settings": SETTINGS, "seconds": time.time() - t0, "models": per_model}
     out = args.out or str(ROOT / "benchmarks" / "results" / f"sampling_support-vllm{vllm.__version__}-cpu.json")
     Path(out).write_text(json.dumps(result, indent=1) + "\n")

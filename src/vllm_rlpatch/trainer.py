@@ -158,6 +158,14 @@ _CANDIDATES = 1024  # candidate list per row (top values), at least the largest 
 _GATHER = 4096  # bisection stops when the undecided band holds at most this many values
 _UNSUPPORTED_PARAMS = ("logit_bias", "allowed_token_ids", "bad_words")
 _NEG_INF = float("-inf")
+_EXP_FLOOR = -87.0  # exp() below it is an fp32 denormal (many times slower on x86) and < 1.7e-38: floored
+
+
+def _exp(d):
+    """exp of a fresh fp32 tensor of differences (<= 0), in place, arguments floored at _EXP_FLOOR."""
+    import torch
+
+    return torch.exp(d.clamp_(min=_EXP_FLOOR), out=d)
 
 
 @_dataclass(frozen=True)
@@ -524,7 +532,7 @@ class _Twin:
             newM = torch.maximum(M, mc)
             finite_new = torch.isfinite(newM)
             ref = torch.where(finite_new, newM, 0.0).float()  # exp in fp32 around an fp32 reference, summed in fp64
-            sc = torch.exp(x - ref.unsqueeze(1)).sum(1, dtype=torch.float64) * torch.exp(ref.double() - torch.where(finite_new, newM, 0.0))
+            sc = _exp(x - ref.unsqueeze(1)).sum(1, dtype=torch.float64) * torch.exp(ref.double() - torch.where(finite_new, newM, 0.0))
             S = torch.where(finite_new, S * torch.exp(torch.where(torch.isfinite(M), M - newM, float("-inf"))) + sc, S)
             M = newM
             nfin += (x > _NEG_INF).sum(1)  # (a compare: isfinite is several times slower on CPU)
@@ -555,7 +563,7 @@ class _Twin:
             x = self.chunks.get(c0, min(self.V, c0 + C), rows=rows)
             keep = (x > thr.unsqueeze(1)) if strict else (x >= thr.unsqueeze(1))
             keep &= x > _NEG_INF
-            S += torch.where(keep, torch.exp(x - M32), 0.0).sum(1, dtype=torch.float64)
+            S += torch.where(keep, _exp(x - M32), 0.0).sum(1, dtype=torch.float64)
             cnt += keep.sum(1)
         # exp(x - M) in fp32 around the fp32-rounded M: rescale to the float64 M
         return S * torch.exp(M.float().double() - M), cnt
@@ -627,7 +635,7 @@ class _Twin:
             if mode == "count":
                 F += ge.sum(1)
             else:
-                F += torch.where(ge, torch.exp(x - M32), 0.0).sum(1, dtype=torch.float64)
+                F += torch.where(ge, _exp(x - M32), 0.0).sum(1, dtype=torch.float64)
             a += ((x >= lo_) & ~ge).sum(1)
             b += (ge & (x < hi_)).sum(1)
         if mode != "count":
@@ -651,7 +659,7 @@ class _Twin:
             if mode == "count":
                 F += ge.sum(1)
             else:
-                F += torch.where(ge, torch.exp(x - M32), 0.0).sum(1, dtype=torch.float64)
+                F += torch.where(ge, _exp(x - M32), 0.0).sum(1, dtype=torch.float64)
             xm = torch.where((x >= lo_) & ~ge, x, ninf)
             both = xm if vals is None else torch.cat([vals, xm], dim=1)
             vals = both.topk(min(_GATHER, both.shape[1]), dim=1).values
