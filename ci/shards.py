@@ -38,6 +38,7 @@ COST = {
     "tests/test_serve.py": 200,
     "tests/test_upstream_behaviour.py": 170,
     "tests/test_rl_correctness.py": 130,
+    "tests/test_sampling_support.py": 55,
     "tests/test_doctor.py": 110,
     "tests/test_kv_pin.py": 150,
     "tests/test_rollout.py": 120,
@@ -45,7 +46,7 @@ COST = {
     "tests/test_contract.py": 50,
     "tests/test_async_preempt.py": 35,
     "tests/test_cpu_amx.py": 20,
-    "tests/test_trainer.py": 10,
+    "tests/test_trainer.py": 30,
     "tests/test_install.py": 40,
 }
 

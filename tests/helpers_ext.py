@@ -186,3 +186,44 @@ class FrameworkExtension(HeadProbeExtension):
             y = qkv(x)
         y = y[0] if isinstance(y, tuple) else y
         return {"calls": out, "layer0_qkv_nonfinite_outputs": int((~torch.isfinite(y.float())).sum())}
+
+
+class SupportCaptureExtension:
+    """Captures the logits vLLM's sampler receives (the logits the engine itself computed), per request and
+    output position, so a test can run the trainer twin on exactly what the engine sampled from."""
+
+    def support_capture_start(self):
+        runner = self.model_runner
+        sampler = runner.sampler
+        rec = self.__dict__.setdefault("_support_capture", [])
+        if getattr(sampler, "_support_capture_on", False):
+            return True
+        orig = sampler.forward
+
+        def forward(logits, sampling_metadata, *a, **k):
+            ids = list(runner.input_batch.req_ids)[: logits.shape[0]]
+            pos = [len(runner.requests[r].output_token_ids) for r in ids]
+            rec.append((ids, pos, logits.detach().float().cpu().clone()))
+            return orig(logits, sampling_metadata, *a, **k)
+
+        sampler.forward = forward
+        sampler._support_capture_on = True
+        return True
+
+    def support_capture_dump(self, path):
+        """Write {(internal request id, position): logits row} to ``path`` (torch.save); return the row count."""
+        import torch
+
+        rows = {}
+        for ids, pos, logits in self.__dict__.get("_support_capture", []):
+            for i, (rid, p) in enumerate(zip(ids, pos)):
+                rows[(rid, p)] = logits[i]
+        torch.save(rows, path)
+        return len(rows)
+
+    def support_hooks(self):
+        """Which sampler / runner attributes the sampling_support patch wrapped in this worker."""
+        from vllm_rlpatch import _wrapping
+        from vllm_rlpatch.patches import sampling_support as s
+
+        return {t: _wrapping.is_wrapped(t, s.OWNER) for t in (s.T_SAMPLE_TOKENS, s.T_SAMPLE, s.T_TEMPERATURE)}

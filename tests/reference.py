@@ -162,3 +162,44 @@ def byte_model(dst: str, positions: int = 512) -> str:
     c["rope_theta"] = c.get("rope_parameters", {}).get("rope_theta", 10000.0)
     (out / "config.json").write_text(json.dumps(c, indent=2) + "\n")
     return str(out)
+
+
+def twin_token_logprobs(model, prompt_ids: list[int], output_ids: list[int], *, temperature=1.0, top_k=0, top_p=1.0,
+                        tolerance=0.05) -> list[float]:
+    """What ``vllm_rlpatch.trainer.processed_logprobs`` documents, computed independently on the full sorted
+    vocabulary: a token in the kept set gets its processed logprob; a token just below the kept set's lowest
+    value (within ``tolerance``) takes that token's place (top-k/top-p fix the kept set's size); further out it
+    joins the kept set."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + output_ids])
+        rows = model(ids).logits[0].float()[len(prompt_ids) - 1: len(prompt_ids) + len(output_ids) - 1]
+        x = rows / temperature if temperature > 0 else rows
+        lp = processed_logprobs(rows, temperature, top_k, top_p)
+    out = []
+    for j, t in enumerate(output_ids):
+        v = float(lp[j, t])
+        if math.isfinite(v):
+            out.append(v)
+            continue
+        kept = x[j][torch.isfinite(lp[j])].double()
+        xt = float(x[j, t])
+        lowest = float(kept.min())
+        mass = float(torch.exp(kept - kept.max()).sum())
+        m = float(kept.max())
+        if lowest - xt <= tolerance and (top_k or top_p < 1.0):
+            z = m + math.log(mass - math.exp(lowest - m) + math.exp(xt - m))
+        else:
+            z = m + math.log(mass + math.exp(xt - m))
+        out.append(xt - z)
+    return out
+
+
+def support_token_logprobs(model, prompt_ids: list[int], output_ids: list[int], log_mass_kept: list[float], *,
+                           temperature=1.0) -> list[float]:
+    """lp_T(token) - log_mass_kept: the full-vocabulary logprob at the rollout temperature, renormalized with the
+    engine's kept-set mass."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + output_ids])
+        rows = model(ids).logits[0].float()[len(prompt_ids) - 1: len(prompt_ids) + len(output_ids) - 1]
+        lpT = (rows / temperature).log_softmax(-1)
+    return [float(lpT[j, t]) - lm for j, (t, lm) in enumerate(zip(output_ids, log_mass_kept))]

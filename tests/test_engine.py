@@ -33,8 +33,8 @@ def expected_applied(version: str) -> set[str]:
     from packaging.version import Version
 
     v = Version(version.split("+")[0])
-    out = {"weight_events", "worker_extension", "rl_defaults", "fp32_lm_head", "kv_cache_pin", "prefix_cache",
-           "refit_guard", "refit_http"}
+    out = {"weight_events", "worker_extension", "rl_defaults", "fp32_lm_head", "sampling_support", "kv_cache_pin",
+           "prefix_cache", "refit_guard", "refit_http"}
     if v < Version("0.27"):
         out.add("wake_order_guard")
     if v < Version("0.22"):

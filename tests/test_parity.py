@@ -23,7 +23,7 @@ from conftest import clean_env, skip_unless_newest
 
 pytestmark = pytest.mark.vllm
 
-CONFIGS = ["stock", "processed_logprobs", "fp32_lm_head", "prefix_cache", "all"]
+CONFIGS = ["stock", "processed_logprobs", "fp32_lm_head", "prefix_cache", "all", "twin", "support"]
 
 
 def _cli():
@@ -66,10 +66,10 @@ def qwen(tmp_path_factory, version):
 
 
 def _tokens(report, config, phase):
-    """Every (prompt, output, vLLM logprobs) of one configuration and phase, over all runs."""
+    """Every (prompt, output, vLLM logprobs, the engine's support information) of one configuration and phase."""
     for run in report["configs"][config]["runs"]:
         for s in run[phase]["samples"]:
-            yield s["prompt_token_ids"], s["token_ids"], s["logprobs"]
+            yield s["prompt_token_ids"], s["token_ids"], s["logprobs"], s.get("support")
 
 
 def _independent(report, config, phase, processed=True):
@@ -78,9 +78,14 @@ def _independent(report, config, phase, processed=True):
     s = report["sampling"]
     kw = {"temperature": s["temperature"], "top_p": s["top_p"], "top_k": s["top_k"]}
     got, ref = [], []
-    for prompt, out, lps in _tokens(report, config, phase):
+    for prompt, out, lps, sup in _tokens(report, config, phase):
         got += lps
-        ref += R.token_logprobs(model, prompt, out, processed=processed, **kw)
+        if config == "twin":  # the trainer twin's documented computation, on the full sorted vocabulary
+            ref += R.twin_token_logprobs(model, prompt, out, **kw)
+        elif config == "support":  # lp_T - the engine's log mass of the kept set
+            ref += R.support_token_logprobs(model, prompt, out, sup["log_mass_kept"], temperature=kw["temperature"])
+        else:
+            ref += R.token_logprobs(model, prompt, out, processed=processed, **kw)
     m = R.mismatch(got, ref)
     pairs = [(a, b) for a, b in zip(got, ref) if math.isfinite(b) and b > -1e29 and a > -1e29]
     m["kl_k3"] = sum(math.exp(b - a) - 1 - (b - a) for a, b in pairs) / len(pairs)
@@ -147,6 +152,25 @@ def test_numbers_match_an_independent_computation(llama, config):
 
 def test_stock_exceeds_the_bound_and_all_fixes_stay_within_1_005(llama):
     _bounds(llama["report"])
+
+
+def test_the_twin_and_the_engines_support_information_on_the_reference_side(llama):
+    """`twin` and `support` score the `all` engine's rollouts (which asked for the engine's support information)
+    with the trainer-side computations: no token is non-finite, and with the engine's information every token's
+    error is at most the twin's; the log(S) bias is reported."""
+    r = llama["report"]
+    s = r["configs"]
+    assert s["twin"]["runs"][0]["before_refit"]["samples"][0]["token_ids"] == \
+        s["all"]["runs"][0]["before_refit"]["samples"][0]["token_ids"]  # the same rollouts
+    for phase in ("before_refit", "after_refit"):
+        for name in ("twin", "support"):
+            for ref in ("fp32", "bf16_fp32_head"):
+                assert s[name]["summary"][ref][phase]["non_finite"]["mean"] == 0, (name, ref, phase)
+                assert s[name]["summary"][ref][phase]["token_mult_prob_error"]["mean"] <= 1.005, (name, ref, phase)
+        assert s["support"]["summary"]["fp32"][phase]["outside_support"]["mean"] == 0
+        lm = s["support"]["summary"]["fp32"][phase]["mean_log_mass_kept"]["mean"]
+        assert -1.0 < lm < 0.0  # T=0.7, top-p 0.9: the kept set holds most, not all, of the mass
+    assert "log(S) bias" in llama["out"] and "outside its own support" in llama["out"]
 
 
 def test_the_tied_embedding_model_too(qwen):

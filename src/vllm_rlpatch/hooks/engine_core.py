@@ -21,6 +21,10 @@ vLLM's scheduler (and with it the prefix cache and every running request's KV) l
   :class:`VersionSpan` over its output-token indexes.
 * **notifies** policies (:func:`add_policy`): the ``prefix_cache`` patch decides what happens to the
   prefix cache and to running requests; it also salts requests (:meth:`Guard.salt_key`).
+* **carries** per-request data from the workers to the user (:func:`add_channel`): a channel reads what a
+  worker attached to its ``ModelRunnerOutput`` in the engine core, puts it into the request's
+  ``EngineCoreOutput`` (``kv_transfer_params`` key :data:`PAYLOAD_KEY`, popped in the front end before vLLM
+  sees it) and sets it on the ``CompletionOutput`` (the ``sampling_support`` patch's per-token support).
 
 One owner wraps these targets (no patch wraps them itself); patches say they need the hook with
 :func:`require` / :func:`release`.
@@ -44,6 +48,7 @@ CORE = "vllm.v1.engine.core"
 SCHED = "vllm.v1.core.sched.scheduler"
 OUTPUTS = "vllm.v1.engine.output_processor"
 TAG_KEY = "__vllm_rlpatch__"
+PAYLOAD_KEY = "__vllm_rlpatch_payload__"
 
 CORE_TARGETS = (
     f"{CORE}:EngineCore.collective_rpc",
@@ -126,9 +131,27 @@ class Policy:
     tags_outputs: bool = False  # stamp every scheduled batch's outputs with its weight version
 
 
+@dataclasses.dataclass
+class Channel:
+    """Per-request data from the workers to the ``CompletionOutput`` (each callback runs in its process).
+
+    engine_core:  ``(scheduler, model_runner_output, outputs)`` after ``Scheduler.update_from_output``;
+                  calls :func:`put_payload` for the requests it has data for.
+    frontend:     ``(request_state, payload, n_before)`` in the front end, for each payload of this channel
+                  (``n_before``: the request's output tokens before this output's new ones).
+    completion:   ``(request_state, completion_output)`` when vLLM builds a ``CompletionOutput``.
+    """
+
+    name: str
+    engine_core: Callable[[Any, Any, dict], None] | None = None
+    frontend: Callable[[Any, Any, int], None] | None = None
+    completion: Callable[[Any, Any], None] | None = None
+
+
 _LOCK = threading.RLock()
 _USERS: set[str] = set()
 _POLICIES: dict[str, Policy] = {}
+_CHANNELS: dict[str, Channel] = {}
 _GUARDS: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
 _BY_SCHEDULER: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
 _BY_WORKER: "weakref.WeakValueDictionary[int, Guard]" = weakref.WeakValueDictionary()
@@ -372,6 +395,11 @@ def _policies() -> list[Policy]:
         return list(_POLICIES.values())
 
 
+def _channels() -> list[Channel]:
+    with _LOCK:
+        return list(_CHANNELS.values())
+
+
 def guard_for(core: Any, create: bool = True) -> Guard | None:
     g = _GUARDS.get(core)
     if g is None and create:
@@ -570,7 +598,23 @@ def _update_from_output_wrapper(wrapped, instance, args, kwargs):
     if g is not None and outputs and any(p.tags_outputs for p in _policies()):
         so = args[0] if args else kwargs.get("scheduler_output")
         g.tag_outputs(getattr(so, "_rlpatch_version", g.version), outputs)
+    if outputs and _CHANNELS:
+        mro = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
+        for ch in _channels():
+            if ch.engine_core is not None:
+                try:
+                    ch.engine_core(instance, mro, outputs)
+                except Exception:
+                    logger.exception("vllm-rlpatch: output channel %s failed in the engine core", ch.name)
     return outputs
+
+
+def put_payload(output: Any, channel: str, payload: Any) -> None:
+    """Attach ``payload`` (msgpack-able) for ``channel`` to one ``EngineCoreOutput``."""
+    params = output.kv_transfer_params
+    if params is None:
+        output.kv_transfer_params = params = {}
+    params.setdefault(PAYLOAD_KEY, {})[channel] = payload
 
 
 def _preempt_wrapper(wrapped, instance, args, kwargs):
@@ -592,16 +636,27 @@ def _process_outputs_wrapper(wrapped, instance, args, kwargs):
         states = instance.request_states
         for eco in ecos:
             params = eco.kv_transfer_params
-            if params and TAG_KEY in params:
-                tag = params.pop(TAG_KEY)
-                if not params:
-                    eco.kv_transfer_params = None
-                st = states.get(eco.request_id)
-                if st is not None:
-                    det = getattr(st, "detokenizer", None)
-                    n = det.num_output_tokens() if det is not None else 0
-                    starts = st.__dict__.setdefault("_rlpatch_starts", [])
-                    starts.append((n, int(tag[0]), int(tag[1])))
+            if not params or (TAG_KEY not in params and PAYLOAD_KEY not in params):
+                continue
+            tag = params.pop(TAG_KEY, None)
+            payloads = params.pop(PAYLOAD_KEY, None)
+            if not params:
+                eco.kv_transfer_params = None
+            st = states.get(eco.request_id)
+            if st is None:
+                continue
+            det = getattr(st, "detokenizer", None)
+            n = det.num_output_tokens() if det is not None else 0
+            if tag is not None:
+                starts = st.__dict__.setdefault("_rlpatch_starts", [])
+                starts.append((n, int(tag[0]), int(tag[1])))
+            for name, payload in (payloads or {}).items():
+                ch = _CHANNELS.get(name)
+                if ch is not None and ch.frontend is not None:
+                    try:
+                        ch.frontend(st, payload, n)
+                    except Exception:
+                        logger.exception("vllm-rlpatch: output channel %s failed in the front end", name)
     return wrapped(*args, **kwargs)
 
 
@@ -618,6 +673,12 @@ def spans_of(starts: list[tuple[int, int, int]], end: int) -> list[VersionSpan]:
 
 def _new_completion_output_wrapper(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
+    for ch in _channels():
+        if ch.completion is not None:
+            try:
+                ch.completion(instance, out)
+            except Exception:
+                logger.exception("vllm-rlpatch: output channel %s failed on a CompletionOutput", ch.name)
     starts = instance.__dict__.get("_rlpatch_starts")
     if starts:
         det = getattr(instance, "detokenizer", None)
@@ -700,3 +761,13 @@ def add_policy(p: Policy) -> None:
 def remove_policy(name: str) -> None:
     with _LOCK:
         _POLICIES.pop(name, None)
+
+
+def add_channel(ch: Channel) -> None:
+    with _LOCK:
+        _CHANNELS[ch.name] = ch
+
+
+def remove_channel(name: str) -> None:
+    with _LOCK:
+        _CHANNELS.pop(name, None)

@@ -47,8 +47,9 @@ def _warm_up_prompt(p):
     return {"prompt_token_ids": ids[-1:] + ids[:-1]}  # rotated: another first block, the same length
 
 
-def _generate(llm, vllm, prompts, sampling, seeds):
-    params = [vllm.SamplingParams(**sampling, logprobs=0, seed=s, detokenize=False) for s in seeds]
+def _generate(llm, vllm, prompts, sampling, seeds, support=False):
+    extra = {"extra_args": {"rlpatch_support": True}} if support else {}
+    params = [vllm.SamplingParams(**sampling, logprobs=0, seed=s, detokenize=False, **extra) for s in seeds]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
@@ -57,8 +58,12 @@ def _generate(llm, vllm, prompts, sampling, seeds):
         c = o.outputs[0]
         lps = [_lp(step[tok].logprob) if step is not None and tok in step else None
                for tok, step in zip(c.token_ids, c.logprobs or [])]
+        sup = getattr(c, "rlpatch_support", None)
         samples.append({"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(c.token_ids),
                         "logprobs": lps, "finish_reason": c.finish_reason,
+                        "support": None if sup is None else {"log_mass_kept": list(sup.log_mass_kept),
+                                                             "kept_count": list(sup.kept_count),
+                                                             "engine": dict(sup.engine)},
                         "num_cached_tokens": getattr(o, "num_cached_tokens", None),
                         "weight_versions": [list(s) for s in getattr(c, "rlpatch_weight_versions", None) or []]})
     n_tok = sum(len(s["token_ids"]) for s in samples)
@@ -109,16 +114,17 @@ def main() -> int:
         # tok/s after a warm-up: an engine's first batches pay one-time costs (allocations, CPU kernels built per
         # shape). The same batch with each prompt changed at its start (no measured prompt finds blocks of the
         # warm-up in the prefix cache) and as many tokens; nothing of it is recorded.
-        _generate(llm, vllm, [_warm_up_prompt(p) for p in spec["prompts"][0]], spec["sampling"], spec["seeds"][0])
+        sup = bool(spec.get("support"))
+        _generate(llm, vllm, [_warm_up_prompt(p) for p in spec["prompts"][0]], spec["sampling"], spec["seeds"][0], sup)
         for r, (prompts, seeds) in enumerate(zip(spec["prompts"], spec["seeds"])):
             run = {"run": r}
             if r > 0:
                 run["refit_back"] = _refit(llm, spec, spec["model"])
-            run["before_refit"] = _generate(llm, vllm, prompts, spec["sampling"], seeds)
+            run["before_refit"] = _generate(llm, vllm, prompts, spec["sampling"], seeds, sup)
             _say(stage="generated", run=r, phase="before_refit")
             run["refit"] = _refit(llm, spec, spec["refit_to"])
             _say(stage="refit", run=r, seconds=run["refit"]["seconds"])
-            run["after_refit"] = _generate(llm, vllm, prompts, spec["sampling"], seeds)
+            run["after_refit"] = _generate(llm, vllm, prompts, spec["sampling"], seeds, sup)
             _say(stage="generated", run=r, phase="after_refit")
             out["runs"].append(run)
         out["ok"] = True

@@ -16,6 +16,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from packaging.version import Version
+
 from vllm_rlpatch import __version__, envs, plugin, registry
 from vllm_rlpatch.hooks import config as config_hook
 from vllm_rlpatch.hooks import explicit
@@ -23,6 +25,7 @@ from vllm_rlpatch.hooks import inflight as hooks_inflight
 from vllm_rlpatch.patches import kv_cache_pin, prefix_cache
 from vllm_rlpatch.tools import options, usermodel
 from vllm_rlpatch.tools.usermodel import INSTALL_VLLM, ToolError
+from vllm_rlpatch.trainer import engine_rules
 from vllm_rlpatch.versions import NEWEST_TESTED, TESTED_VERSIONS, vllm_info
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -191,6 +194,29 @@ def _head_note(statuses: list[Any]) -> str:
             "model dtype too, or turn the patch on and use vllm_rlpatch.trainer.fp32_lm_head(model)")
 
 
+def _support_note(statuses: list[Any]) -> str:
+    """Which rules the trainer twin follows for an engine of this host, and how to ask for the engine's support
+    information."""
+    st = {s.name: s.state for s in statuses}.get("sampling_support")
+    try:
+        from vllm.platforms import current_platform
+
+        device = str(getattr(current_platform, "device_type", "") or "cpu")
+    except Exception:
+        device = "cpu"
+    info = vllm_info()
+    runner = "v1"
+    if device == "cuda" and info.release >= Version("0.29") and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
+        runner = "mrv2"
+    rules = engine_rules({"vllm": info.raw_version, "runner": runner, "device": device})
+    ask = ("requests that pass SamplingParams(extra_args={'rlpatch_support': True}) get "
+           "CompletionOutput.rlpatch_support (per token: log mass and size of the kept set)"
+           if st == "applied" and runner == "v1" else
+           f"no per-token support information from this engine (sampling_support {st}, runner {runner})")
+    return (f"trainer side: vllm_rlpatch.trainer.processed_logprobs follows this engine's processing "
+            f"({rules.key}: {'verified' if rules.verified else 'not verified here'}); {ask}")
+
+
 def collect(model: str | None = None, engine_argv: list[str] | None = None) -> dict[str, Any]:
     env_warnings = envs.validate_environment()
     info = vllm_info()
@@ -217,7 +243,8 @@ def collect(model: str | None = None, engine_argv: list[str] | None = None) -> d
         "env": {"warnings": env_warnings,
                 "set": {k: v for k, v in os.environ.items() if k.startswith(envs.PREFIX)}},
         "patches": [s.as_dict() for s in registry.status()],
-        "notes": [TRAINER_NOTE, _head_note(registry.status())] if info.installed else [],
+        "notes": [TRAINER_NOTE, _head_note(registry.status()), _support_note(registry.status())]
+        if info.installed else [],
     }
     if model is not None:
         report["engine"] = engine_settings(model, engine_argv or [])

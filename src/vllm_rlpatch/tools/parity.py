@@ -11,6 +11,12 @@ top-k, then top-p, as vLLM's sampler applies them):
 - ``bf16_fp32_head``: the model in bf16 with an fp32 head (:func:`vllm_rlpatch.trainer.fp32_lm_head`),
   what a bf16 trainer that follows the fp32-head advice computes.
 
+Two configurations run no engine of their own: they score the ``all`` engine's rollouts (whose requests ask
+for the engine's support information, ``extra_args={"rlpatch_support": True}``) with the trainer-side
+computation a trainer would use: ``twin`` = :func:`vllm_rlpatch.trainer.processed_logprobs` on the
+reference's logits (the twin of the engine's processing, no engine information), ``support`` = the same
+with the engine's per-token support information (``lp_T - log_mass_kept``: never -inf).
+
 Metrics per configuration, phase and reference: ``token_mult_prob_error`` (NeMo-RL's mean over tokens of
 exp(|Δ|), Δ = vLLM logprob − reference logprob) and its max over tokens, mean |Δ|, a KL estimate
 (k3: mean of r − 1 − log r with r = p_ref/p_vllm over the sampled tokens, i.e. KL(vLLM‖reference)), the
@@ -20,6 +26,7 @@ side, e.g. a token outside the other side's top-p set; excluded from the means) 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -36,9 +43,13 @@ from vllm_rlpatch import __version__
 from vllm_rlpatch.patches import ALL_PATCHES
 from vllm_rlpatch.tools import options, plot, usermodel
 from vllm_rlpatch.trainer import fp32_lm_head
+from vllm_rlpatch.trainer import processed_logprobs as twin_logprobs
 from vllm_rlpatch.versions import vllm_info
 
-CONFIGS = ("stock", "processed_logprobs", "fp32_lm_head", "prefix_cache", "all")
+CONFIGS = ("stock", "processed_logprobs", "fp32_lm_head", "prefix_cache", "all", "twin", "support")
+# scored from the `all` engine's rollouts with another trainer-side computation (no engine of their own)
+DERIVED = {"twin": "all", "support": "all"}
+ENGINE_CONFIGS = tuple(c for c in CONFIGS if c not in DERIVED)
 FEATURES = ("rl_defaults", "fp32_lm_head", "prefix_cache")  # the patches the configurations tell apart
 CONFIG_FEATURES = {
     "stock": (),
@@ -54,6 +65,10 @@ CONFIG_DOC = {
     "fp32_lm_head": "fp32_lm_head only among the fixes",
     "prefix_cache": "prefix_cache only (the guard: no KV of older weights reused)",
     "all": "the plugin's defaults (every fix)",
+    "twin": "the `all` rollouts; reference side: vllm_rlpatch.trainer.processed_logprobs (the twin of the engine's "
+            "processing, no engine information)",
+    "support": "the `all` rollouts; reference side: the twin with the engine's support information "
+               "(lp_T - log_mass_kept per token)",
 }
 REFERENCES = ("fp32", "bf16_fp32_head")
 REFERENCE_DOC = {"fp32": "transformers, float32 (the bf16 checkpoint upcast)",
@@ -61,7 +76,7 @@ REFERENCE_DOC = {"fp32": "transformers, float32 (the bf16 checkpoint upcast)",
 PHASES = ("before_refit", "after_refit")
 BOUND = 1.05
 METRICS = ("token_mult_prob_error", "max_mult_prob_error", "mean_abs_diff", "kl_k3", "frac_outside_bound",
-           "non_finite", "tokens", "tokens_per_s")
+           "non_finite", "tokens", "tokens_per_s", "outside_support", "at_boundary", "mean_log_mass_kept")
 
 # Prompts in the embedded models' language (they were trained on this grammar); any tokenizer handles them.
 _NOUNS = ["cat", "dog", "model", "engine", "trainer", "token", "policy", "reward", "batch", "worker", "cache",
@@ -201,19 +216,33 @@ class Reference:
             self._models[kind] = m
         return self._models[kind]
 
-    def logprobs(self, kind: str, prompt_ids: list[int], output_ids: list[int], sampling: dict) -> list[float]:
+    def logprobs(self, kind: str, prompt_ids: list[int], output_ids: list[int], sampling: dict,
+                 method: str = "simple", support: dict | None = None) -> tuple[list[float], dict]:
+        """The reference logprob of each output token: ``simple`` (temperature, top-k, top-p on the reference
+        logits, :func:`processed_logprobs`), ``twin`` (:func:`vllm_rlpatch.trainer.processed_logprobs`) or
+        ``support`` (the twin with the engine's ``support`` information). Returns (logprobs, counts)."""
         import torch
 
         if not output_ids:
-            return []
+            return [], {}
         m = self.model(kind)
         with torch.no_grad():
             ids = torch.tensor([prompt_ids + output_ids], device=self.device)
             logits = m(ids).logits[0].float()
             rows = logits[len(prompt_ids) - 1: len(prompt_ids) + len(output_ids) - 1]
-            lp = processed_logprobs(rows, sampling["temperature"], sampling.get("top_k", 0) or 0,
-                                    sampling.get("top_p", 1.0))
-            return lp[torch.arange(len(output_ids)), torch.tensor(output_ids, device=self.device)].cpu().tolist()
+            tok = torch.tensor(output_ids, device=self.device)
+            if method == "simple":
+                lp = processed_logprobs(rows, sampling["temperature"], sampling.get("top_k", 0) or 0,
+                                        sampling.get("top_p", 1.0))
+                return lp[torch.arange(len(output_ids)), tok].cpu().tolist(), {}
+            sp = {k: sampling[k] for k in ("temperature", "top_p", "top_k") if k in sampling}
+            info = support if method == "support" else None
+            lp, det = twin_logprobs(rows, tok, sp, prompt_token_ids=prompt_ids, engine_info=info,
+                                    engine=(support or {}).get("engine"), return_details=True)
+            counts = {"outside_support": int(det["outside_support"].sum()), "at_boundary": int(det["at_boundary"].sum())}
+            if info is not None:
+                counts["log_mass_kept"] = [float(x) for x in det["log_mass_kept"].tolist()]
+            return lp.cpu().tolist(), counts
 
     def close(self) -> None:
         self._models.clear()
@@ -321,7 +350,8 @@ class _Progress:
 
 def _run_config(name: str, spec: dict, workdir: Path, progress: _Progress, timeout: float) -> dict:
     spec = dict(spec, config=name, out=str(workdir / f"{name}.result.json"),
-                refit_method="reload_weights" if name == "stock" else "push_weights")
+                refit_method="reload_weights" if name == "stock" else "push_weights",
+                support=name in DERIVED.values())  # its requests ask for the engine's support information
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     log_path = workdir / f"{name}.log"
@@ -418,29 +448,37 @@ def run(*, model: str, configs: tuple[str, ...] = CONFIGS, temperature: float = 
                 "seeds": run_seeds, "sampling": {k: v for k, v in sampling.items()}}
         if top_k == 0:
             spec["sampling"].pop("top_k")
-        total = len(configs) * (1 + 3 * runs) + 2
+        engines = [c for c in ENGINE_CONFIGS if c in configs or any(DERIVED.get(d) == c for d in configs)]
+        total = len(engines) * (1 + 3 * runs) + 2
         prog = _Progress(total, progress)
         dev = reference_device or ("cuda" if torch.cuda.is_available() else "cpu")
         raw: dict[str, Any] = {}
         try:
             if jobs <= 1:
-                for name in configs:
+                for name in engines:
                     raw[name] = _run_config(name, spec, wd, prog, timeout)
             else:  # engines overlap (start-up mostly)
                 from concurrent.futures import ThreadPoolExecutor
 
                 with ThreadPoolExecutor(max_workers=jobs) as pool:
-                    futs = {name: pool.submit(_run_config, name, spec, wd, prog, timeout) for name in configs}
-                    raw = {name: futs[name].result() for name in configs}
+                    futs = {name: pool.submit(_run_config, name, spec, wd, prog, timeout) for name in engines}
+                    raw = {name: futs[name].result() for name in engines}
+            for name in configs:  # the derived configurations score a copy of their engine's rollouts
+                if name in DERIVED:
+                    raw[name] = copy.deepcopy(raw[DERIVED[name]])
             # the trainer side: one checkpoint's reference models in memory at a time
             for phase, path in (("before_refit", model), ("after_refit", refit_to)):
                 ref = Reference(path, dev)
                 try:
                     for name in configs:
+                        method = name if name in DERIVED else "simple"
                         for run_ in raw[name]["runs"]:
                             for smp in run_[phase]["samples"]:
-                                smp["reference"] = {kind: ref.logprobs(kind, smp["prompt_token_ids"], smp["token_ids"],
-                                                                       sampling) for kind in references}
+                                smp["reference"], smp["reference_counts"] = {}, {}
+                                for kind in references:
+                                    lps, counts = ref.logprobs(kind, smp["prompt_token_ids"], smp["token_ids"], sampling,
+                                                               method, smp.get("support"))
+                                    smp["reference"][kind], smp["reference_counts"][kind] = lps, counts
                 finally:
                     ref.close()
                 prog.step(f"reference logprobs ({phase.replace('_', ' ')})")
@@ -480,6 +518,13 @@ def _score(res: dict, keep_samples: bool, references: tuple[str, ...] = REFERENC
             m = {kind: metrics(vl, [x for s in g["samples"] for x in s["reference"][kind]]) for kind in references}
             for kind in references:
                 m[kind]["tokens_per_s"] = g["tokens_per_s"]
+                counts = [s.get("reference_counts", {}).get(kind) or {} for s in g["samples"]]
+                if any(counts):
+                    m[kind]["outside_support"] = sum(c.get("outside_support", 0) for c in counts)
+                    m[kind]["at_boundary"] = sum(c.get("at_boundary", 0) for c in counts)
+                masses = [x for c in counts for x in c.get("log_mass_kept", [])]
+                if masses:
+                    m[kind]["mean_log_mass_kept"] = sum(masses) / len(masses)
             ph = {"metrics": m, "seconds": g["seconds"], "tokens": g["tokens"], "tokens_per_s": g["tokens_per_s"],
                   "cached_prompt_tokens": sum((s.get("num_cached_tokens") or 0) for s in g["samples"])}
             if keep_samples:
@@ -488,7 +533,7 @@ def _score(res: dict, keep_samples: bool, references: tuple[str, ...] = REFERENC
                 ph["samples"] = g["samples"]
             entry[phase] = ph
         per_run.append(entry)
-    summary = {kind: {phase: {k: _agg([r[phase]["metrics"][kind][k] for r in per_run]) for k in METRICS}
+    summary = {kind: {phase: {k: _agg([r[phase]["metrics"][kind].get(k) for r in per_run]) for k in METRICS}
                       for phase in PHASES} for kind in references}
     return {"engine": res.get("engine"), "patches": res.get("patches"), "env": res.get("env"),
             "startup_seconds": res.get("startup_seconds"), "refit_method": per_run[0]["refit"]["method"],
@@ -540,6 +585,20 @@ def render(report: dict) -> str:
         parts.append("")
         parts.append(f"reference: {report['references'][ref]}")
         parts.append(table(report, ref))
+    for name in ("twin", "support"):
+        r = report["configs"].get(name)
+        if r is None:
+            continue
+        s0 = r["summary"][_main_reference(report)]
+        if name == "twin":
+            parts.append(f"twin: {_fmt(s0['before_refit']['outside_support'], count=True)} / "
+                         f"{_fmt(s0['after_refit']['outside_support'], count=True)} tokens (before / after refit) outside "
+                         f"its own support, {_fmt(s0['before_refit']['at_boundary'], count=True)} / "
+                         f"{_fmt(s0['after_refit']['at_boundary'], count=True)} at its boundary (near-ties)")
+        else:
+            parts.append(f"log(S) bias: the kept set's mean log mass per token is "
+                         f"{_fmt(s0['before_refit']['mean_log_mass_kept'])} (before refit): a trainer that uses "
+                         f"full-vocabulary logprobs at the rollout temperature is off by that much per token")
     parts.append("")
     parts.append("configurations: " + "; ".join(f"{k} = {v}" for k, v in report["config_doc"].items()))
     if report.get("jobs", 1) > 1:

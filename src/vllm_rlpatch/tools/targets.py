@@ -17,11 +17,14 @@ def all_targets(for_version: str | None = None) -> list[str]:
     """Patch spec targets plus the shared hooks' own targets (``module:Qual.name``), deduplicated.
 
     ``for_version``: only the targets a vLLM of that version would wrap (patches retired there by
-    ``fixed_in`` are left out: upstream's fix may have removed what they wrap)."""
+    ``fixed_in``, or whose range ends before it, are left out: upstream may have removed what they wrap)."""
     from packaging.version import Version
 
-    specs = [s for s in ALL_PATCHES
-             if for_version is None or s.fixed_in is None or Version(for_version) < Version(s.fixed_in)]
+    def wraps_in(s, v: str) -> bool:
+        return (s.fixed_in is None or Version(v) < Version(s.fixed_in)) and s.specifier.contains(Version(v),
+                                                                                               prereleases=True)
+
+    specs = [s for s in ALL_PATCHES if for_version is None or wraps_in(s, for_version)]
     out: list[str] = []
     for t in [*(t for s in specs for t in (*s.targets, *s.lazy_targets)), config.TARGET, *weights.FRONTEND_TARGETS,
               *weights.WORKER_TARGETS, *explicit.TARGETS]:
@@ -88,8 +91,9 @@ def resolve_in_source(root: Path, target: str) -> tuple[bool, str]:
 
 # ---------------------------------------------------------------------------------------------------------
 # Model Runner V2 (vllm/v1/worker/gpu/, the GPU default from 0.29; the only GPU runner in 0.34). The plugin
-# wraps nothing inside a model runner: its hooks sit in the engine core, scheduler, output processor, the
-# GPU worker and the model's LogitsProcessor, which both runners share. What it *uses* of the runner, and
+# wraps nothing inside a model runner but the V1 runner's sample_tokens and sampler (`sampling_support`, V1
+# only: on MRv2 a request that asks for it gets a WARNING): its hooks sit in the engine core, scheduler,
+# output processor, the GPU worker and the model's LogitsProcessor, which both runners share. What it *uses* of the runner, and
 # what must hold for its hooks to see MRv2's paths, is listed here and checked at source level per release
 # (tests/source_level/test_mrv2.py; ci/sweep/source.py). Each entry: (what, module, class or "", needles):
 # every needle must occur in that class's source (or the module's, with class "").

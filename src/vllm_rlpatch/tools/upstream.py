@@ -53,6 +53,8 @@ NO_DIFF = {
                     "(a float32 logits projection), not a fix a release branch takes",
     "rl_defaults": "vLLM's defaults are deliberate (raw logprobs are cheaper and model-intrinsic; generation "
                    "config 'auto' follows the model author); RL needs different defaults, not a vLLM fix",
+    "sampling_support": "a new feature (per-token kept-set mass and size for the trainer), not a fix; upstream's "
+                        "closest is return_sampling_mask (0.32+, Model Runner V2 only, a vocabulary-sized mask)",
     "weight_events": "vllm-rlpatch's own API (weight-version events for trainers), not a vLLM bug",
     "worker_extension": "vllm-rlpatch's own API (the refit worker extension), not a vLLM bug",
     "refit_http": "vllm-rlpatch's own API (the refit HTTP routes on `vllm serve`), not a vLLM bug",
