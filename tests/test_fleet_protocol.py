@@ -90,6 +90,9 @@ class FakeEngine(Target):
         self.txs.pop(txid, None)
         return {"ok": True}
 
+    def rlpatch_weight_state(self):
+        return {"version": self.weights_version, "mixed": None}
+
     def align_version(self, version):
         self.weights_version = max(self.weights_version, version)
         return self.weights_version
@@ -108,7 +111,8 @@ def test_a_good_update_commits_every_engine_at_one_version():
     assert rep.slowest in ("engine0", "engine1") and rep.slowest_seconds >= 0
     # every engine prepared before any engine committed; the backups were released only after all committed
     for e in (a, b):
-        assert e.calls == ["rlpatch_refit_prepare", "rlpatch_refit_commit", "rlpatch_refit_release"]
+        assert [c for c in e.calls if c.startswith("rlpatch_refit_")] == [
+            "rlpatch_refit_prepare", "rlpatch_refit_commit", "rlpatch_refit_release"]
     assert a.segments == b.segments  # packed once: both engines read the same segments
     assert fleet.weight_version([a, b]) == [4, 4]
 

@@ -181,8 +181,13 @@ def _check_targets(tgts: list[Target]) -> None:
         seen[k] = i
 
 
+def _version_of(tgt: Target) -> int:
+    """The engine's version, also while its weights are mixed (``rlpatch_weight_state`` never raises for that)."""
+    return max(int(s["version"]) for s in tgt.rpc("rlpatch_weight_state", (), {}))
+
+
 def _versions(engines: list[_Engine], timeout_s: float) -> dict[int, int | None]:
-    calls = _parallel({e.i: e.tgt.version for e in engines if not e.dead}, timeout_s)
+    calls = _parallel({e.i: (lambda e=e: _version_of(e.tgt)) for e in engines if not e.dead}, timeout_s)
     out: dict[int, int | None] = {}
     for e in engines:
         c = calls.get(e.i)
@@ -192,6 +197,8 @@ def _versions(engines: list[_Engine], timeout_s: float) -> dict[int, int | None]
                 e.dead = True
                 e.errors.append(f"{e.name}: no answer to weight_version within {timeout_s:.1f} s (declared dead)")
             elif c is not None:
+                if type(c.error).__name__ == "EngineDeadError" or "dead" in str(c.error).lower():
+                    e.dead = True
                 e.errors.append(f"{e.name}: weight_version: {type(c.error).__name__}: {c.error}")
         else:
             out[e.i] = int(c.result)
@@ -225,7 +232,7 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
     stages["versions"] = time.perf_counter() - t1
     dead = [e for e in engines if e.dead or cur[e.i] is None]
     if dead:
-        return _end(engines, None, {}, stages, t0, opts, "unchanged",
+        return _end(engines, None, cur, stages, t0, opts, "unchanged",
                     "; ".join(x for e in dead for x in e.errors), raise_on_error, "", [])
     new_version = opts.version if opts.version is not None else max(v or 0 for v in cur.values()) + 1
     o = dataclasses.replace(opts, version=new_version)
@@ -359,10 +366,11 @@ def _end(engines: list[_Engine], new_version, cur, stages, t0, opts: api.Options
     entries = []
     for e in engines:
         e.version = final.get(e.i)
-        res = [r for r in (e.prep, e.commit, e.abort) if r]
         merged: dict[str, Any] = {}
-        for r in res:
-            merged.update({k: v for k, v in r.items() if k.startswith("workers") or k.startswith("seconds_")})
+        for r in (e.prep, e.commit):
+            merged.update({k: v for k, v in (r or {}).items() if k.startswith("workers") or k.startswith("seconds_")})
+        if e.abort and e.abort.get("workers"):
+            merged["workers_abort"] = e.abort["workers"]
         rep = api.build_report({**merged, "ok": e.state == "committed", "state": e.state, "version": e.version},
                                transport=transport, mode=opts.mode, nbytes=0, n=0, seconds=e.seconds, stages={},
                                host_extra=0)
