@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -393,11 +394,8 @@ def _end(engines: list[_Engine], new_version, cur, stages, t0, opts: api.Options
 
 
 # ------------------------------------------------------------------------------------------ the public calls
+@functools.wraps(api.push_weights)  # the same keyword arguments (inspect.signature shows them)
 def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], **kw) -> Any:
-    """Push new weights into one engine (:func:`vllm_rlpatch.refit.api.push_weights`, a
-    :class:`~vllm_rlpatch.refit.api.RefitReport`) or into a fleet: a list of engines, updated all-or-nothing
-    (this module's doc; a :class:`FleetReport`). The keyword arguments are the same; ``timeout_s`` bounds each
-    phase of a fleet update and is its engines' commit deadline."""
     if not isinstance(target, (list, tuple)):
         return api.push_weights(target, named_tensors, **kw)
     raise_on_error = kw.pop("raise_on_error", True)
@@ -407,6 +405,12 @@ def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
         raise TypeError(f"push_weights: {e}") from None
     opts.validate()
     return push_fleet(list(target), named_tensors, opts, raise_on_error)
+
+
+push_weights.__doc__ = (api.push_weights.__doc__ or "") + """
+    ``target`` may also be a list (or tuple) of engines: a fleet, updated all-or-nothing (:mod:`vllm_rlpatch.refit.fleet`),
+    which returns a :class:`FleetReport`; ``timeout_s`` then bounds each phase and is the engines' commit deadline.
+    """
 
 
 async def push_weights_async(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], **kw) -> Any:
