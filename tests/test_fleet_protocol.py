@@ -150,12 +150,12 @@ def test_a_commit_failure_without_backups_leaves_the_fleet_mixed():
 
 
 def test_a_hung_engine_is_an_error_naming_it_within_timeout_s_and_the_others_abort():
-    a, b = FakeEngine(), FakeEngine(hang="rlpatch_refit_prepare", hang_s=4.0)
+    a, b = FakeEngine(), FakeEngine(hang="rlpatch_refit_prepare", hang_s=8.0)
     t0 = time.monotonic()
     with pytest.raises(RefitError) as ei:
         push([a, b], timeout_s=1.0)
     took = time.monotonic() - t0
-    assert took < 2.5, took
+    assert took < 5.0, took  # the hung prepare answers only after 8 s
     assert "engine1: no answer to prepare within 1.0 s" in str(ei.value)
     rep = ei.value.report
     assert rep.engines[1]["dead"] and rep.engines[1]["state"] == "unknown"
