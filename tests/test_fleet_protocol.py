@@ -184,6 +184,21 @@ def test_a_worker_refuses_to_commit_after_the_deadline():
     assert "deadline" in rep.message and b2.state == "clean"
 
 
+def test_an_engine_whose_commit_rpc_raised_is_aborted_too():
+    """A live engine whose commit RPC raised may have written: it is aborted (restored from its backup) along
+    with the engines that committed."""
+    a, b = FakeEngine(), FakeEngine()
+    orig = b.commit
+
+    def commit(txid, **kw):
+        orig(txid, release=False, **{k: v for k, v in kw.items() if k != "release"})
+        raise RuntimeError("the reply was lost")
+    b.commit = commit
+    rep = push([a, b], raise_on_error=False)
+    assert rep.state == "restored" and [e["state"] for e in rep.engines] == ["restored", "restored"], rep
+    assert a.state == b.state == "clean" and "the reply was lost" in rep.message
+
+
 def test_a_fleet_refuses_what_it_cannot_do_yet():
     a = FakeEngine()
     with pytest.raises(RefitError, match="list each engine once"):

@@ -300,7 +300,9 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
                         out_.metas, None, transport=out_.transport)
         # one engine failed to commit: roll back the ones that committed
         t1 = time.perf_counter()
-        done = [e for e in engines if not e.dead and (e.commit or {}).get("ok")]
+        # ... and the live ones whose commit RPC raised: what they hold is unknown, an abort undoes what they wrote
+        done = [e for e in engines if not e.dead and ((e.commit or {}).get("ok")
+                                                     or (e.commit or {}).get("state") == "unknown")]
         ab = _run_phase(done, "abort", lambda e: C.coordinate_abort(txid), opts.timeout_s) if done else {}
         stages["abort"] = time.perf_counter() - t1
         for e in engines:
@@ -309,6 +311,8 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
             elif e in done:
                 e.abort = ab.get(e.i) or {}
                 e.state = e.abort.get("state", "unknown") if not e.dead else "unknown"
+                if not (e.commit or {}).get("ok") and "nothing to abort" in str(e.abort.get("workers") or ""):
+                    e.state = "unknown"  # its commit raised and left no transaction: what it holds is unknown
                 if e.state == "mixed":
                     C.finish(e.tgt.front, {**e.abort, "ok": False, "workers_abort": e.abort.get("workers") or []})
             else:
