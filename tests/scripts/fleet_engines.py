@@ -160,4 +160,8 @@ if __name__ == "__main__":
         sys.stdout.flush()
         sys.stderr.flush()
         _end_children()
+        from vllm_rlpatch.refit import api
+
+        for pool in list(api._POOLS.values()):  # os._exit skips the atexit that unlinks the segments
+            pool.close()
         os._exit(rc)
