@@ -39,6 +39,8 @@ COST = {
     "tests/test_upstream_behaviour.py": 170,
     "tests/test_rl_correctness.py": 130,
     "tests/test_sampling_support.py": 55,
+    "tests/test_fleet.py": 60,  # two engines in one process, one script run
+    "tests/test_fleet_protocol.py": 10,  # scripted engines, no vLLM engine
     "tests/test_doctor.py": 110,
     "tests/test_kv_pin.py": 150,
     "tests/test_rollout.py": 120,

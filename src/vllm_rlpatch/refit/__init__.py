@@ -7,6 +7,7 @@
         for bucket in buckets:
             s.push(bucket)
     weight_version(llm)                                          # the engine's current weight version
+    push_weights([llm_a, llm_b], tensors)                        # a fleet: every engine or none (.fleet)
 
 Layout: :mod:`.api` (the sender: ``push_weights``), :mod:`.session`, :mod:`.target` (what can be updated),
 :mod:`.coordinator` (the worker RPCs in order), one module per transport with its sender and its source
@@ -14,11 +15,12 @@ Layout: :mod:`.api` (the sender: ``push_weights``), :mod:`.session`, :mod:`.targ
 :mod:`.backup`, :mod:`.plan` (the copy plan) and :mod:`.checks` (the fused checksum + finite check).
 """
 
-from vllm_rlpatch.refit.api import RefitReport, push_weights, push_weights_async, weight_version
+from vllm_rlpatch.refit.api import RefitReport
+from vllm_rlpatch.refit.fleet import FleetReport, push_weights, push_weights_async, weight_version
 from vllm_rlpatch.refit.cuda_ipc import EngineLayout
 from vllm_rlpatch.refit.protocol import GUARANTEES, RefitError, fingerprint, fingerprints
 from vllm_rlpatch.refit.session import RefitSession, refit_session
 from vllm_rlpatch.refit.target import Target
 
-__all__ = ["EngineLayout", "GUARANTEES", "RefitError", "RefitReport", "RefitSession", "Target", "fingerprint",
+__all__ = ["EngineLayout", "FleetReport", "GUARANTEES", "RefitError", "RefitReport", "RefitSession", "Target", "fingerprint",
            "fingerprints", "push_weights", "push_weights_async", "refit_session", "weight_version"]

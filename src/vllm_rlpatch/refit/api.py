@@ -155,7 +155,17 @@ def _key(tgt: Target) -> Any:
 
 def pool_for(tgt: Target) -> ShmPool:
     k = _key(tgt)
-    k = id(k) if not isinstance(k, (str, int)) else k
+    return pool_for_key(id(k) if not isinstance(k, (str, int)) else k)
+
+
+def drop_pool(k: Any) -> None:
+    """Forget (and unlink) a pool's segments: the next update packs into new ones."""
+    pool = _POOLS.pop(k, None)
+    if pool is not None:
+        pool.close()
+
+
+def pool_for_key(k: Any) -> ShmPool:
     pool = _POOLS.get(k)
     if pool is None:
         pool = _POOLS[k] = ShmPool()
@@ -201,7 +211,8 @@ class Outgoing:
     worker request built. The same for ``push_weights``, ``push_weights_async`` and sessions."""
 
     def __init__(self, tgt: Target, named_tensors: Any, opts: Options, schema: P.Schema, *,
-                 txid: str | None = None, session: bool = False, first_segment: int = 0):
+                 txid: str | None = None, session: bool = False, first_segment: int = 0,
+                 pool: ShmPool | None = None, fleet: bool = False):
         self.t0 = time.perf_counter()
         self.tgt, self.opts = tgt, opts
         self.layout = named_tensors if isinstance(named_tensors, EngineLayout) else None
@@ -231,6 +242,8 @@ class Outgoing:
                     "workers": getattr(schema, "workers", None), "session": session, "tensors": None,
                     "transport": None}
         self.first_segment = first_segment
+        self.pool = pool  # a fleet's segments (every engine maps them); None: the target's own
+        self.fleet = fleet  # one packing for several engines: no per-engine update template
         self.template_key: str | None = None  # an update template (cuda_ipc: the same tensors each step)
         self.template_new = False
         self._static: Any = None
@@ -247,7 +260,8 @@ class Outgoing:
             if not self.tgt.same_host():
                 raise P.RefitError("transport='shm' needs the trainer and the engine on one host; this target is on "
                                    "another host: use transport='dist' (or 'auto')", kind="validation")
-            self.sender = ShmSender(self.tensors, self.metas, bucket, verify=o.verify, pool=pool_for(self.tgt),
+            self.sender = ShmSender(self.tensors, self.metas, bucket, verify=o.verify,
+                                    pool=self.pool or pool_for(self.tgt),
                                     first_segment=self.first_segment)
             self.stages["pack"] = self.sender.seconds_pack
             self.host_bytes = self.sender.nbytes
@@ -302,7 +316,7 @@ class Outgoing:
     def _template(self, handles: list) -> None:
         """A trainer that updates its tensors in place sends the same names, shapes and IPC handles every step:
         the engine keeps them (an update template) and later requests carry only the digests."""
-        if self.opts.partial or self.req.get("session"):
+        if self.opts.partial or self.req.get("session") or self.fleet:
             return
         self._static = hash((tuple((m.name, m.dtype, tuple(m.shape)) for m in self.metas), tuple(handles)))
         known = _TEMPLATES.get(_tkey(self.tgt))

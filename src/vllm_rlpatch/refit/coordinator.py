@@ -53,20 +53,38 @@ def coordinate(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
             return out
         out.update(_failure(res, bad), state=_worst(r.get("state") for r in bad))
         return out
-    prep = yield (PREPARE, (req,), dict(rpc_kw))
+    prep = yield from coordinate_prepare(req)
+    if not prep["ok"]:
+        yield (ABORT, (req["txid"],), {})
+        return prep
+    out = yield from coordinate_commit(req, len(prep["workers_prepare"]))
+    return {"workers_prepare": prep["workers_prepare"], "seconds_prepare": prep["seconds_prepare"], **out}
+
+
+def coordinate_prepare(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
+    """Phase one (of :func:`coordinate`, and of a fleet update, :mod:`.fleet`): every rank prepares; nothing is
+    written. A failure is returned, not aborted: the caller aborts (one engine, or every engine of a fleet)."""
+    t0 = time.perf_counter()
+    prep = yield (PREPARE, (req,), {"inflight": req.get("inflight")})
     t_prep = time.perf_counter() - t0
     bad = [r for r in prep if not r.get("ok")]
     if bad:
-        yield (ABORT, (req["txid"],), {})
         return {**_failure(prep, bad), "state": "unchanged", "workers": prep, "seconds_prepare": t_prep}
-    n = len(prep)
+    return {"ok": True, "state": "prepared", "workers_prepare": prep, "seconds_prepare": t_prep}
+
+
+def coordinate_commit(req: dict[str, Any], n: int, keep: bool = False) -> Generator[Rpc, list, dict[str, Any]]:
+    """Phase two: every rank writes what it prepared. A rank that fails makes the engine's other ranks abort
+    (restored from their backup, or mixed). ``keep``: the ranks keep the committed update (and its backup)
+    until :func:`coordinate_release` or :func:`coordinate_abort` (which then rolls it back): a fleet commits
+    every engine before any engine lets go of its backup."""
     t1 = time.perf_counter()
-    res = yield (COMMIT, (req["txid"],), {"version": req.get("version"), "release": n == 1, **rpc_kw})
-    out = {"workers_prepare": prep, "workers": res, "seconds_prepare": t_prep,
-           "seconds_commit": time.perf_counter() - t1}
+    rpc_kw = {"inflight": req.get("inflight")}
+    res = yield (COMMIT, (req["txid"],), {"version": req.get("version"), "release": n == 1 and not keep, **rpc_kw})
+    out: dict[str, Any] = {"workers": res, "seconds_commit": time.perf_counter() - t1}
     failed = [r for r in res if not r.get("ok")]
     if not failed:
-        if n > 1:
+        if n > 1 and not keep:
             yield (RELEASE, (req["txid"],), {})
         out.update(ok=True, state="committed", version=max((r.get("version") or 0) for r in res))
         return out
@@ -77,6 +95,12 @@ def coordinate(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
         states += [r.get("state") for r in rb]
     out.update(_failure(res, failed), state=_worst(states))
     return out
+
+
+def coordinate_release(txid: str) -> Generator[Rpc, list, dict[str, Any]]:
+    """The end of a kept commit (:func:`coordinate_commit` ``keep=True``): the ranks drop its backup."""
+    res = yield (RELEASE, (txid,), {})
+    return {"ok": True, "workers_release": res}
 
 
 def coordinate_part(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:

@@ -48,6 +48,7 @@ Results are plain dicts (``ok``, ``state``, ``kind``, ``problems``, ``guarantee`
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -108,6 +109,9 @@ class _Tx:
         self.allow_cast = bool(req.get("allow_cast", False))
         self.verify = bool(req.get("verify", True))
         self.session = bool(req.get("session"))
+        # fencing (a fleet update, :mod:`.fleet`): wall-clock time after which this worker refuses to commit
+        d = req.get("deadline")
+        self.deadline: float | None = float(d) if d is not None else None
         self.guarantee: str | None = None  # rollback | validate-then-write | none
         self.path: str | None = None  # plan | layerwise
         self.parts: list[_Part] = []
@@ -154,6 +158,7 @@ class WorkerRefit:
         self.arenas: dict[str, B.BackupArena] = {}
         self.armed_fault: str | None = None
         self.templates: dict[str, dict[str, Any]] = {}  # key -> metadata and opened source of a repeated update
+        self.aborted: collections.deque[str] = collections.deque(maxlen=256)  # fenced txids: never prepared again
 
     def arm_fault(self, where: str) -> dict[str, Any]:
         """Testing only (``VLLM_RLPATCH_FAULT_INJECTION=1``): the next transaction fails at ``where``
@@ -243,6 +248,8 @@ class WorkerRefit:
     def prepare(self, req: dict[str, Any]) -> dict[str, Any]:
         t0 = _now()
         txid = req["txid"]
+        if txid in self.aborted:
+            return _fail("refused", "unchanged", f"update {txid!r} was aborted: it cannot be prepared again", {}, [])
         tx = self.txs.get(txid)
         new = tx is None
         if new:
@@ -500,7 +507,15 @@ class WorkerRefit:
                 return prep
         tx = self.txs.get(txid)
         if tx is None:
+            if txid in self.aborted:
+                return _fail("refused", "unchanged", f"update {txid!r} was aborted: not written", {}, [])
             return _fail("validation", "unchanged", f"no prepared update {txid!r} in this worker", {}, [])
+        if tx.deadline is not None and not tx.written and time.time() > tx.deadline:
+            late = time.time() - tx.deadline
+            self._drop(txid)
+            self.aborted.append(txid)
+            return _fail("refused", "unchanged", f"update {txid!r} passed its deadline {late:.1f} s ago (timeout_s): "
+                         "not written", {}, [])
         t0 = _now()
         dev = self.device
         if dev.type == "cuda":
@@ -884,6 +899,8 @@ class WorkerRefit:
 
     def abort(self, txid: str) -> dict[str, Any]:
         """Drop a prepared update, or undo a written one (another rank failed; a session ended by an error)."""
+        if txid not in self.aborted:
+            self.aborted.append(txid)  # fenced: a late prepare or commit of this update is refused
         tx = self.txs.get(txid)
         if tx is None:
             return {"ok": True, "state": "unchanged", "note": "nothing to abort"}

@@ -75,6 +75,14 @@ class RLPatchWorkerExtension:
     def rlpatch_refit_abort(self, txid: str) -> dict[str, Any]:
         return transaction.for_worker(self).abort(txid)
 
+    def rlpatch_refit_align_version(self, version: int) -> int:
+        """Raise this worker's weight version to ``version`` (a fleet update that rolled back leaves the engines
+        that had committed one version ahead of those that never wrote; this brings the others level). The
+        weights do not change; a version never goes down."""
+        if weights.weight_version(self) < int(version):
+            weights.fire(self, "rlpatch_refit_align", "worker", version=int(version))
+        return weights.weight_version(self)
+
     def rlpatch_refit_release(self, txid: str) -> dict[str, Any]:
         return transaction.for_worker(self).release(txid)
 

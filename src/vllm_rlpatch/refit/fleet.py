@@ -1,0 +1,440 @@
+"""One update, every engine: ``push_weights([llm_a, llm_b, ...], tensors)`` as a two-phase transaction over a
+fleet of rollout engines, all-or-nothing.
+
+The public ``push_weights`` / ``push_weights_async`` / ``weight_version`` of :mod:`vllm_rlpatch.refit` are the
+ones here: a single target goes straight to :mod:`.api`; a list (or tuple) of targets is a fleet.
+
+A fleet update:
+
+1. **Versions.** Every engine's weight version is read; the new version is ``version`` or max(current) + 1,
+   the same on every engine.
+2. **The bytes, once.** The sender (:class:`~vllm_rlpatch.refit.api.Outgoing`) checks the metadata against the
+   schema (every engine must have the same one), then packs and digests the tensors **once**: for ``shm`` into
+   one set of shared-memory segments that every engine's workers map; for ``cuda_ipc`` one set of handles that
+   every engine opens. A NaN is refused here, before any engine is asked anything.
+3. **Prepare** (:func:`~.coordinator.coordinate_prepare`) on every engine at once, one thread per engine: each
+   engine's workers validate and stage; nothing is written. The request carries the transaction id and a
+   deadline (now + ``timeout_s``, wall clock): a worker refuses to commit after it, or after an abort of that
+   id. Any refusal, failure, or an engine that has not answered by the deadline: every engine that answered is
+   aborted (:func:`~.coordinator.coordinate_abort`) and keeps its old weights (``state="unchanged"``).
+4. **Commit** (:func:`~.coordinator.coordinate_commit` with ``keep``) on every engine: each writes and keeps its
+   backup. All committed: every engine releases its backup (``committed``). One failed (or did not answer in
+   time): every engine that committed is aborted, which rolls it back from its backup (``restored``; the
+   ``rollback`` guarantee) or, with no backup (``validate-then-write``, ``direct``), leaves it ``mixed``: that
+   engine refuses requests until a good update lands. The fleet's state is the worst of its engines'.
+   After a rollback the engines that had committed carry one more version (the rollback is a weight change
+   for them); the others are raised to the same version (``rlpatch_refit_align_version``), so the fleet's
+   versions agree again.
+5. **The report** (:class:`FleetReport`): one entry per engine (its version, state, stages, errors, time), the
+   slowest engine, the trainer-side stages. ``raise_on_error``: a :class:`~.protocol.RefitError` carrying it.
+
+A hung or dead engine is an error naming it (``engine1: no answer to prepare within 30.0 s``) within
+``timeout_s`` of the phase, never a hang: its thread is left behind, the engine is declared dead, the others are
+aborted, and the shared-memory segments of that update are not reused (the next update packs into new ones).
+The segments of an update are reused by the fleet's next update only after every engine answered (or was
+declared dead) - which is when this call returns.
+
+Not here (yet): Ray handles and URLs in a fleet (their targets run the whole transaction in one call, the
+prepare/commit split is not exposed over Ray or HTTP), ``dist`` to several engines (one broadcast group spanning
+every engine's workers), several trainer ranks sending shards (one sender: the caller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from vllm_rlpatch.refit import api
+from vllm_rlpatch.refit import coordinator as C
+from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.resolve import resolve
+from vllm_rlpatch.refit.target import Target
+
+ALIGN = "rlpatch_refit_align_version"
+
+
+@dataclasses.dataclass
+class FleetReport:
+    """What one fleet update did. ``state``: ``committed`` (every engine), ``unchanged`` (refused or failed
+    before any write: every engine keeps its old weights), ``restored`` (a commit failed; every engine is back
+    on its old weights from its backup), ``mixed`` (a commit failed without backups: the engines that wrote
+    refuse requests until a good update). ``engines``: one entry per engine, in the order given (``name``,
+    ``ok``, ``state``, ``version``, ``seconds``, ``stages``, ``errors``, ``guarantee``, ``path``, ``backup``,
+    ``dead``). ``slowest``: the name of the engine that took longest (prepare + commit), ``slowest_seconds`` its
+    time. ``stages``: the trainer's (validate_metadata, pack/fingerprint) and the phases' wall times."""
+
+    ok: bool
+    state: str
+    version: int | None
+    versions: list[int | None]
+    transport: str
+    mode: str
+    bytes: int
+    tensors: int
+    seconds: float
+    stages: dict[str, float]
+    engines: list[dict[str, Any]]
+    slowest: str | None
+    slowest_seconds: float
+    txid: str
+    message: str = ""
+    buckets: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------ one thread per engine
+class _Call:
+    """``fn()`` in a daemon thread; ``result`` / ``error`` once it returned, or ``dead`` after the deadline."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.t0 = time.perf_counter()
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="rlpatch-fleet")
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            self.result = fn()
+        except BaseException as e:  # noqa: BLE001 - reported as this engine's error
+            self.error = e
+        finally:
+            self.seconds = time.perf_counter() - self.t0
+            self.done.set()
+
+
+def _parallel(fns: dict[int, Callable[[], Any]], timeout_s: float) -> dict[int, _Call]:
+    calls = {i: _Call(fn) for i, fn in fns.items()}
+    end = time.monotonic() + timeout_s
+    for c in calls.values():
+        c.done.wait(max(0.0, end - time.monotonic()))
+    return calls
+
+
+class _Engine:
+    def __init__(self, i: int, tgt: Target):
+        self.i, self.tgt = i, tgt
+        self.name = f"engine{i}" + (f" ({tgt.url})" if getattr(tgt, "url", None) else "")
+        self.errors: list[str] = []
+        self.dead = False
+        self.prep: dict[str, Any] | None = None
+        self.commit: dict[str, Any] | None = None
+        self.abort: dict[str, Any] | None = None
+        self.state = "unchanged"
+        self.seconds = 0.0
+        self.version: int | None = None
+
+    def drive(self, gen) -> dict[str, Any]:
+        return C.run_sync(gen, self.tgt.rpc)
+
+
+def _run_phase(engines: list[_Engine], what: str, make: Callable[[_Engine], Any], timeout_s: float
+               ) -> dict[int, dict[str, Any]]:
+    """Run ``make(engine)`` (a coordinator generator) on every live engine at once. An RPC that raised or did
+    not answer within ``timeout_s`` is that engine's failure (the latter also marks it dead)."""
+    live = [e for e in engines if not e.dead]
+    calls = _parallel({e.i: (lambda e=e: e.drive(make(e))) for e in live}, timeout_s)
+    out: dict[int, dict[str, Any]] = {}
+    for e in live:
+        c = calls[e.i]
+        if not c.done.is_set():
+            e.dead = True
+            msg = f"{e.name}: no answer to {what} within {timeout_s:.1f} s (declared dead; its thread is left behind)"
+            e.errors.append(msg)
+            out[e.i] = {"ok": False, "kind": "timeout", "state": "unknown", "message": msg}
+            continue
+        e.seconds += c.seconds
+        if c.error is not None:
+            err = C.rpc_error_to_refit(c.error, f"{e.name} {what}")
+            e.errors.append(str(err))
+            if "dead" in str(c.error).lower() or type(c.error).__name__ in ("EngineDeadError", "EOFError"):
+                e.dead = True
+            out[e.i] = {"ok": False, "kind": err.kind, "state": "unknown" if what != "prepare" else "unchanged",
+                        "message": str(err)}
+            continue
+        r = c.result
+        if not r.get("ok") and r.get("message"):
+            e.errors.append(f"{e.name} {what}: {r.get('message')}")
+        out[e.i] = r
+    return out
+
+
+def _check_targets(tgts: list[Target]) -> None:
+    seen: dict[int, int] = {}
+    for i, t in enumerate(tgts):
+        if t.kind not in ("llm", "async_llm"):
+            raise P.RefitError(f"engine{i}: a {t.kind} target in a fleet is not supported yet (its prepare and "
+                               "commit are one call over Ray/HTTP): pass vllm.LLM / AsyncLLM objects of this "
+                               "process, or push to that engine on its own", kind="validation")
+        k = id(t.front if t.front is not None else t)
+        if k in seen:
+            raise P.RefitError(f"engine{i} is engine{seen[k]} again: list each engine once", kind="validation")
+        seen[k] = i
+
+
+def _version_of(tgt: Target) -> int:
+    """The engine's version, also while its weights are mixed (``rlpatch_weight_state`` never raises for that)."""
+    return max(int(s["version"]) for s in tgt.rpc("rlpatch_weight_state", (), {}))
+
+
+def _versions(engines: list[_Engine], timeout_s: float) -> dict[int, int | None]:
+    calls = _parallel({e.i: (lambda e=e: _version_of(e.tgt)) for e in engines if not e.dead}, timeout_s)
+    out: dict[int, int | None] = {}
+    for e in engines:
+        c = calls.get(e.i)
+        if c is None or not c.done.is_set() or c.error is not None:
+            out[e.i] = None
+            if c is not None and not c.done.is_set():
+                e.dead = True
+                e.errors.append(f"{e.name}: no answer to weight_version within {timeout_s:.1f} s (declared dead)")
+            elif c is not None:
+                if type(c.error).__name__ == "EngineDeadError" or "dead" in str(c.error).lower():
+                    e.dead = True
+                e.errors.append(f"{e.name}: weight_version: {type(c.error).__name__}: {c.error}")
+        else:
+            out[e.i] = int(c.result)
+    return out
+
+
+def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_on_error: bool = True
+               ) -> FleetReport:
+    t0 = time.perf_counter()
+    if not targets:
+        raise P.RefitError("push_weights([]): the fleet has no engine", kind="validation")
+    tgts = [resolve(t) for t in targets]
+    _check_targets(tgts)
+    engines = [_Engine(i, t) for i, t in enumerate(tgts)]
+    if opts.transport == "dist":
+        raise P.RefitError("transport='dist' to several engines is not supported yet (one broadcast group spanning "
+                           "every engine's workers): use 'shm' (same host) or push to each engine on its own",
+                           kind="validation")
+    stages: dict[str, float] = {}
+    # schemas: every engine must expect the same tensors
+    schema = api.schema_for(tgts[0])
+    workers = [getattr(schema, "workers", None)]
+    for e in engines[1:]:
+        s = api.schema_for(e.tgt)
+        workers.append(getattr(s, "workers", None))
+        if s.tensors != schema.tensors or s.aliases != schema.aliases:
+            raise P.RefitError(f"{e.name} serves another model than engine0 (its schema differs): a fleet update "
+                               "needs one model", kind="validation")
+    t1 = time.perf_counter()
+    cur = _versions(engines, opts.timeout_s)
+    stages["versions"] = time.perf_counter() - t1
+    dead = [e for e in engines if e.dead or cur[e.i] is None]
+    if dead:
+        return _end(engines, None, cur, stages, t0, opts, "unchanged",
+                    "; ".join(x for e in dead for x in e.errors), raise_on_error, "", [])
+    new_version = opts.version if opts.version is not None else max(v or 0 for v in cur.values()) + 1
+    o = dataclasses.replace(opts, version=new_version)
+    key = ("fleet",) + tuple(id(e.tgt.front if e.tgt.front is not None else e.tgt) for e in engines)
+    out_ = api.Outgoing(tgts[0], named_tensors, o, schema, pool=api.pool_for_key(key), fleet=True)
+    txid = out_.req["txid"]
+    keep_pool = True
+    try:
+        if out_.transport == "dist":
+            raise P.RefitError("transport 'dist' to several engines is not supported yet: use 'shm' or push to each "
+                               "engine on its own", kind="validation")
+        out_.send(n_workers=workers[0])
+        stages.update(out_.stages)
+        if out_.refused is not None:
+            for e in engines:
+                e.errors.append(f"{e.name}: not asked (the sender refused the update)")
+            return _end(engines, new_version, cur, stages, t0, o, "unchanged", out_.refused["message"],
+                        raise_on_error, txid, out_.metas, out_.refused, transport=out_.transport)
+        req = dict(out_.req)
+        req["workers"] = None  # never the one-RPC path: a fleet prepares everywhere before it writes anywhere
+        req["deadline"] = time.time() + opts.timeout_s
+        # ---- phase 1: prepare everywhere
+        t1 = time.perf_counter()
+        prep = _run_phase(engines, "prepare", lambda e: C.coordinate_prepare(req), opts.timeout_s)
+        stages["prepare"] = time.perf_counter() - t1
+        for e in engines:
+            e.prep = prep.get(e.i)
+        if any(e.dead for e in engines):
+            keep_pool = False
+        if not all(r.get("ok") for r in prep.values()) or any(e.dead for e in engines):
+            t1 = time.perf_counter()
+            ab = _run_phase(engines, "abort", lambda e: C.coordinate_abort(txid), opts.timeout_s)
+            stages["abort"] = time.perf_counter() - t1
+            for e in engines:
+                e.abort = ab.get(e.i)
+                e.state = "unknown" if e.dead else (e.abort or {}).get("state", "unchanged")
+            bad = [e for e in engines if e.errors]
+            return _end(engines, new_version, cur, stages, t0, o, _fleet_state(engines),
+                        "prepare failed on " + "; ".join(x for e in bad for x in e.errors[:1]),
+                        raise_on_error, txid, out_.metas, None, transport=out_.transport, kind=_kind(prep))
+        # ---- phase 2: commit everywhere, every engine keeping its backup until all committed
+        t1 = time.perf_counter()
+        n = {e.i: len(prep[e.i]["workers_prepare"]) for e in engines}
+        com = _run_phase(engines, "commit", lambda e: C.coordinate_commit(req, n[e.i], keep=True),
+                         opts.timeout_s)
+        stages["commit"] = time.perf_counter() - t1
+        for e in engines:
+            e.commit = com.get(e.i)
+        if any(e.dead for e in engines):
+            keep_pool = False
+        if all(r.get("ok") for r in com.values()) and not any(e.dead for e in engines):
+            t1 = time.perf_counter()
+            rel = _run_phase(engines, "release", lambda e: C.coordinate_release(txid), opts.timeout_s)
+            stages["release"] = time.perf_counter() - t1
+            for e in engines:
+                e.state = "committed"
+                C.finish(e.tgt.front, {**(e.commit or {}), "ok": True, "state": "committed",
+                                      "version": (e.commit or {}).get("version")})
+                if not rel.get(e.i, {}).get("ok"):
+                    e.errors.append(f"{e.name}: release after commit failed (its backup is dropped at the next "
+                                    "update)")
+            out_.finish_send()
+            return _end(engines, new_version, cur, stages, t0, o, "committed", "", raise_on_error, txid,
+                        out_.metas, None, transport=out_.transport)
+        # one engine failed to commit: roll back the ones that committed
+        t1 = time.perf_counter()
+        # ... and the live ones whose commit RPC raised: what they hold is unknown, an abort undoes what they wrote
+        done = [e for e in engines if not e.dead and ((e.commit or {}).get("ok")
+                                                     or (e.commit or {}).get("state") == "unknown")]
+        ab = _run_phase(done, "abort", lambda e: C.coordinate_abort(txid), opts.timeout_s) if done else {}
+        stages["abort"] = time.perf_counter() - t1
+        for e in engines:
+            if e.dead:
+                e.state = "unknown"
+            elif e in done:
+                e.abort = ab.get(e.i) or {}
+                e.state = e.abort.get("state", "unknown") if not e.dead else "unknown"
+                if not (e.commit or {}).get("ok") and "nothing to abort" in str(e.abort.get("workers") or ""):
+                    e.state = "unknown"  # its commit raised and left no transaction: what it holds is unknown
+                if e.state == "mixed":
+                    C.finish(e.tgt.front, {**e.abort, "ok": False, "workers_abort": e.abort.get("workers") or []})
+            else:
+                e.state = (e.commit or {}).get("state") or "unknown"
+                if e.state == "mixed":
+                    C.finish(e.tgt.front, {**(e.commit or {}), "ok": False})
+        state = _fleet_state(engines)
+        _align(engines, stages, opts.timeout_s)
+        failed = [e for e in engines if not (e.commit or {}).get("ok")]
+        return _end(engines, new_version, cur, stages, t0, o, state,
+                    "commit failed on " + "; ".join(x for e in failed for x in e.errors[:1]), raise_on_error, txid,
+                    out_.metas, None, transport=out_.transport, kind=_kind(com))
+    finally:
+        if out_.sender is not None and not keep_pool:
+            api.drop_pool(key)  # an engine declared dead may still read them: the next update packs anew
+        out_.close()
+
+
+def _kind(results: dict[int, dict[str, Any]]) -> str:
+    return next((r.get("kind") for r in results.values() if not r.get("ok") and r.get("kind")), "commit")
+
+
+def _fleet_state(engines: list[_Engine]) -> str:
+    states = [e.state for e in engines]
+    for s in ("mixed", "unknown", "restored"):
+        if s in states:
+            return s
+    return "unchanged"
+
+
+def _align(engines: list[_Engine], stages: dict[str, float], timeout_s: float) -> None:
+    """After a rollback: every engine at the highest version any of them reached (nothing else changes)."""
+    live = [e for e in engines if not e.dead]
+    vs = _versions(live, timeout_s)
+    known = [v for v in vs.values() if v is not None]
+    if not known or len(set(known)) == 1:
+        return
+    top = max(known)
+    t1 = time.perf_counter()
+    lag = [e for e in live if vs.get(e.i) is not None and vs[e.i] < top]
+    calls = _parallel({e.i: (lambda e=e: e.tgt.rpc(ALIGN, (top,), {})) for e in lag}, timeout_s)
+    for e in lag:
+        c = calls[e.i]
+        if not c.done.is_set() or c.error is not None:
+            e.errors.append(f"{e.name}: could not align its version to {top}: {c.error or 'no answer'}")
+    stages["align_versions"] = time.perf_counter() - t1
+
+
+def _end(engines: list[_Engine], new_version, cur, stages, t0, opts: api.Options, state: str, message: str,
+         raise_on_error: bool, txid: str, metas, refused=None, transport: str = "", kind: str = "commit"
+         ) -> FleetReport:
+    if state == "committed" or len(engines) and any(e.commit for e in engines):
+        final = _versions([e for e in engines if not e.dead], opts.timeout_s) if engines else {}
+    else:
+        final = cur or {}
+    entries = []
+    for e in engines:
+        e.version = final.get(e.i)
+        merged: dict[str, Any] = {}
+        for r in (e.prep, e.commit):
+            merged.update({k: v for k, v in (r or {}).items() if k.startswith("workers") or k.startswith("seconds_")})
+        if e.abort and e.abort.get("workers"):
+            merged["workers_abort"] = e.abort["workers"]
+        rep = api.build_report({**merged, "ok": e.state == "committed", "state": e.state, "version": e.version},
+                               transport=transport, mode=opts.mode, nbytes=0, n=0, seconds=e.seconds, stages={},
+                               host_extra=0)
+        entries.append({"name": e.name, "ok": e.state == "committed", "state": e.state, "version": e.version,
+                        "seconds": e.seconds, "stages": rep.stages, "errors": list(e.errors), "dead": e.dead,
+                        "guarantee": rep.guarantee, "path": rep.path, "backup": rep.backup, "checks": rep.checks})
+    slow = max(entries, key=lambda x: x["seconds"], default=None)
+    nbytes = sum(m.nbytes for m in metas) if metas else 0
+    rep = FleetReport(ok=state == "committed", state=state, version=new_version if state == "committed" else None,
+                      versions=[x["version"] for x in entries], transport=transport, mode=opts.mode, bytes=nbytes,
+                      tensors=len(metas or []), seconds=time.perf_counter() - t0, stages=stages, engines=entries,
+                      slowest=slow["name"] if slow else None, slowest_seconds=slow["seconds"] if slow else 0.0,
+                      txid=txid, message=message,
+                      buckets=len({m.segment for m in metas}) if metas and transport == "shm" else 0)
+    if not rep.ok and raise_on_error:
+        raise P.RefitError(f"fleet weight update not applied ({state}): {message}",
+                           kind=(refused or {}).get("kind", kind), state=state,
+                           problems=(refused or {}).get("problems", []), report=rep)
+    return rep
+
+
+# ------------------------------------------------------------------------------------------ the public calls
+@functools.wraps(api.push_weights)  # the same keyword arguments (inspect.signature shows them)
+def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], **kw) -> Any:
+    if not isinstance(target, (list, tuple)):
+        return api.push_weights(target, named_tensors, **kw)
+    raise_on_error = kw.pop("raise_on_error", True)
+    try:
+        opts = api.Options(**kw)
+    except TypeError as e:
+        raise TypeError(f"push_weights: {e}") from None
+    opts.validate()
+    return push_fleet(list(target), named_tensors, opts, raise_on_error)
+
+
+push_weights.__doc__ = (api.push_weights.__doc__ or "") + """
+    ``target`` may also be a list (or tuple) of engines: a fleet, updated all-or-nothing (:mod:`vllm_rlpatch.refit.fleet`),
+    which returns a :class:`FleetReport`; ``timeout_s`` then bounds each phase and is the engines' commit deadline.
+    """
+
+
+async def push_weights_async(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], **kw) -> Any:
+    """:func:`push_weights` from an event loop. A fleet runs in a worker thread (an ``AsyncLLM`` of this loop
+    in it is driven on the loop, which stays free while it waits)."""
+    if not isinstance(target, (list, tuple)):
+        return await api.push_weights_async(target, named_tensors, **kw)
+    return await asyncio.to_thread(push_weights, list(target), named_tensors, **kw)
+
+
+def weight_version(target: Any) -> Any:
+    """One engine's weight version, or for a list of engines each one's (a list) - raising
+    :class:`~vllm_rlpatch.refit.protocol.RefitError` if they disagree."""
+    if not isinstance(target, (list, tuple)):
+        return api.weight_version(target)
+    vs = [resolve(t).version() for t in target]
+    if len(set(vs)) > 1:
+        err = P.RefitError("the engines' weight versions disagree: " + ", ".join(f"engine{i}={v}"
+                                                                               for i, v in enumerate(vs)),
+                           kind="validation", state="mixed")
+        err.versions = vs  # type: ignore[attr-defined]
+        raise err
+    return vs

@@ -1,0 +1,167 @@
+"""Two real vllm.LLM engines in this one process, updated as a fleet (vllm_rlpatch.refit.push_weights with a
+list); prints `RESULT {...}`.
+
+    python fleet_engines.py SPEC.json      SPEC: {"weights": {"B": DIR, "C": DIR}, "engine": {...LLM kwargs...}}
+
+Steps (each recorded under its name): a good update, a refusal in one engine's prepare, a failure after the
+first write in one engine at `rollback` and at `validate-then-write`, a good update after that, and last an
+engine killed (SIGKILL of its engine-core process) before an update. Run with VLLM_RLPATCH_FAULT_INJECTION=1
+and the test's worker extension (snapshots) on PYTHONPATH.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+from refit_engine import generate, state_dict
+
+PROMPTS = ["the quick cat sees", "12 + 7 =", "count: 3 4 5", "the small model updates the"]
+GREEDY = {"prompts": PROMPTS, "sampling": {"temperature": 0.0, "max_tokens": 12, "logprobs": 0}}
+
+
+def main():
+    spec = json.loads(open(sys.argv[1]).read())
+    import vllm
+
+    from vllm_rlpatch.refit import RefitError, push_weights, weight_version
+
+    kwargs = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=32 << 20, enforce_eager=True,
+                  gpu_memory_utilization=0.3)
+    kwargs.update(spec.get("engine", {}))
+    t0 = time.perf_counter()
+    llms = [vllm.LLM(**kwargs), vllm.LLM(**kwargs)]
+    print(f"[fleet] engines up {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    res = {"vllm": vllm.__version__, "start_seconds": time.perf_counter() - t0, "steps": {}}
+    steps = res["steps"]
+    sd = {k: state_dict(v, False) for k, v in spec["weights"].items()}
+
+    def on_each(name, fn):
+        out = []
+        for llm in llms:
+            try:
+                out.append(fn(llm))
+            except Exception as e:  # noqa: BLE001 - recorded; the test decides
+                out.append({"error": f"{type(e).__name__}: {e}"})
+        steps[name] = out
+
+    def gen(name):
+        on_each(name, lambda llm: generate(llm, vllm, GREEDY))
+
+    def snap(name):
+        on_each(name, lambda llm: llm.collective_rpc("framework_snapshot")[0])
+
+    def eq(name):
+        on_each(name, lambda llm: llm.collective_rpc("framework_equal_to_snapshot")[0])
+
+    def fp(name):
+        on_each(name, lambda llm: llm.collective_rpc("rlpatch_fingerprint")[0]["fingerprint"])
+
+    def arm(i, where):
+        return llms[i].collective_rpc("rlpatch_refit_inject_fault", args=(where,))[0]
+
+    def versions(name):
+        try:
+            steps[name] = {"versions": weight_version(llms)}
+        except RefitError as e:
+            steps[name] = {"error": str(e), "versions": getattr(e, "versions", None)}
+        except Exception as e:  # noqa: BLE001 - a mixed engine refuses to say (its weights are no version)
+            steps[name] = {"error": f"{type(e).__name__}: {e}"}
+
+    def push(name, weights, **kw):
+        t1 = time.perf_counter()
+        try:
+            rep = push_weights(llms, list(sd[weights].items()), **kw)
+            steps[name] = {"ok": True, "report": rep.as_dict()}
+        except RefitError as e:
+            steps[name] = {"ok": False, "kind": e.kind, "state": e.state, "message": str(e),
+                           "report": e.report.as_dict() if e.report is not None else None}
+        except Exception as e:  # noqa: BLE001 - a non-RefitError is itself a finding
+            steps[name] = {"ok": False, "kind": "unexpected", "state": "?", "message": f"{type(e).__name__}: {e}"}
+        steps[name]["seconds"] = time.perf_counter() - t1
+        print(f"[fleet] {name}: {steps[name].get('ok')} {time.perf_counter() - t0:.1f}s", file=sys.stderr,
+              flush=True)
+
+    gen("g0")
+    push("push_B", "B")
+    versions("v_B")
+    gen("g_B")
+    fp("fp_B")
+    snap("snap_B")
+    # a refusal in engine1's prepare: nobody writes
+    steps["arm_prepare"] = arm(1, "prepare")
+    push("refused", "C")
+    eq("eq_refused")
+    gen("g_refused")
+    versions("v_refused")
+    # a failure after engine1's first write, with backups: both roll back
+    steps["arm_rb"] = arm(1, "after_first_write")
+    push("fault_rb", "C", guarantee="rollback")
+    eq("eq_fault_rb")
+    gen("g_fault_rb")
+    versions("v_fault_rb")
+    # the same without backups (validate-then-write): the fleet is mixed, every engine refuses requests
+    steps["arm_vtw"] = arm(1, "after_first_write")
+    push("fault_vtw", "C", guarantee="validate-then-write")
+    gen("g_mixed")
+    versions("v_mixed")
+    # a good update repairs the fleet
+    push("push_C", "C")
+    versions("v_C")
+    gen("g_C")
+    fp("fp_C")
+    snap("snap_C")
+    # an engine killed mid-update: engine1's worker process gets SIGKILL after every engine prepared, as its
+    # commit is sent (engine0 commits, then is rolled back)
+    pid = llms[1].collective_rpc("rlpatch_ping")[0]["pid"]
+    steps["killed_pid"] = pid
+    if pid != os.getpid():
+        from vllm_rlpatch.refit.target import LocalTarget
+
+        orig = LocalTarget.rpc
+        victim = llms[1].llm_engine
+
+        def rpc(self, method, args, kwargs):
+            if method == "rlpatch_refit_commit" and self.front is victim:
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(0.5)
+            return orig(self, method, args, kwargs)
+        LocalTarget.rpc = rpc
+        push("killed", "B", timeout_s=30.0)
+        LocalTarget.rpc = orig
+        steps["survivor_eq"] = llms[0].collective_rpc("framework_equal_to_snapshot")[0]
+        steps["survivor_gen"] = generate(llms[0], vllm, GREEDY)
+    print("RESULT " + json.dumps(res, default=str), flush=True)
+
+
+def _end_children():
+    """engine1 is dead and engine0 would wait for it at shutdown: end this process's own engine processes
+    (they hold the test's output pipes open otherwise)."""
+    import psutil
+
+    for c in psutil.Process().children(recursive=True):
+        try:
+            c.kill()
+        except psutil.Error:
+            pass
+
+
+if __name__ == "__main__":
+    rc = 0
+    try:
+        main()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _end_children()
+        from vllm_rlpatch.refit import api
+
+        for pool in list(api._POOLS.values()):  # os._exit skips the atexit that unlinks the segments
+            pool.close()
+        os._exit(rc)

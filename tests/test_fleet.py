@@ -1,0 +1,141 @@
+"""A fleet update (vllm_rlpatch.refit.push_weights with a list) on two real vLLM engines in one process
+(tests/scripts/fleet_engines.py, one run shared by the tests): a good update, a refusal in one engine's
+prepare, a failure after one engine's first write at `rollback` and at `validate-then-write`, versions that
+agree, and an engine killed before an update. The protocol's corners (a hung engine, the deadline) are in
+tests/test_fleet_protocol.py."""
+
+import json
+
+import pytest
+
+import reference as R
+from conftest import model_path, run_script
+
+pytestmark = pytest.mark.vllm
+
+EXT = "helpers_ext.FrameworkExtension"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fleet")
+    w = {"B": R.perturbed_copy(model_path(), str(d / "B"), scale=1.0, seed=7),
+         "C": R.perturbed_copy(model_path(), str(d / "C"), scale=1.0, seed=8)}
+    spec = {"weights": w, "engine": {"model": model_path(), "worker_extension_cls": EXT}}
+    f = d / "spec.json"
+    f.write_text(json.dumps(spec))
+    r, log = run_script("fleet_engines.py", str(f), cwd=d, timeout=900, VLLM_RLPATCH_FAULT_INJECTION="1",
+                        VLLM_RLPATCH_FP32_LM_HEAD="0")
+    r["weights"] = w
+    return r
+
+
+def _reqs(g):
+    assert "requests" in g, g
+    return g["requests"]
+
+
+def _tokens(g):
+    return [q["token_ids"] for q in _reqs(g)]
+
+
+def _lps(g):
+    return [q["logprobs"] for q in _reqs(g)]
+
+
+def _vs_reference(g, weights_dir):
+    model = R.load(weights_dir)
+    got, ref = [], []
+    for q in _reqs(g):
+        got += q["logprobs"]
+        ref += R.token_logprobs(model, q["prompt_token_ids"], q["token_ids"])
+    return R.mismatch(got, ref)
+
+
+def test_a_good_update_lands_on_both_engines_at_one_version(run):
+    s = run["steps"]
+    r = s["push_B"]
+    assert r["ok"], r
+    rep = r["report"]
+    assert rep["state"] == "committed" and rep["version"] == 1 and rep["versions"] == [1, 1]
+    assert rep["transport"] == "shm" and rep["tensors"] > 0 and rep["bytes"] > 900_000
+    assert [e["state"] for e in rep["engines"]] == ["committed", "committed"]
+    assert all(e["errors"] == [] and e["seconds"] > 0 for e in rep["engines"])
+    assert rep["slowest"] in ("engine0", "engine1") and rep["slowest_seconds"] >= max(
+        e["seconds"] for e in rep["engines"]) - 1e-9
+    assert {"pack", "prepare", "commit", "release"} <= set(rep["stages"]), rep["stages"]
+    # CPU: the layerwise reload with a host backup (rollback) on each engine
+    assert [e["guarantee"] for e in rep["engines"]] == ["rollback", "rollback"], rep["engines"]
+    assert s["v_B"] == {"versions": [1, 1]}
+    fa, fb = s["fp_B"]
+    assert fa == fb  # bit-identical weights in both engines
+    ga, gb = s["g_B"]
+    assert _tokens(ga) == _tokens(gb) and _lps(ga) == _lps(gb)
+    assert _tokens(ga) != _tokens(s["g0"][0])  # the weights did change
+    m = _vs_reference(ga, run["weights"]["B"])  # what a fresh load of B gives (float32 transformers, bf16 tol)
+    assert m["token_mult_prob_error"] <= 1.02, m
+
+
+def test_a_refusal_in_one_engines_prepare_changes_neither(run):
+    s = run["steps"]
+    assert s["arm_prepare"]["ok"], s["arm_prepare"]
+    r = s["refused"]
+    assert (r["ok"], r["kind"], r["state"]) == (False, "fault", "unchanged"), r
+    assert "engine1" in r["message"] and "prepare" in r["message"]
+    assert [e["state"] for e in r["report"]["engines"]] == ["unchanged", "unchanged"]
+    for e in s["eq_refused"]:
+        assert e["equal"], e  # torch.equal with the snapshot taken after the good update
+    for g in s["g_refused"]:
+        assert _tokens(g) == _tokens(s["g_B"][0])  # both keep serving the same weights
+    assert s["v_refused"] == {"versions": [1, 1]}
+
+
+def test_a_failure_after_one_engines_first_write_rolls_both_back(run):
+    s = run["steps"]
+    r = s["fault_rb"]
+    assert (r["ok"], r["state"]) == (False, "restored"), r
+    assert "engine1" in r["message"] and "commit" in r["message"]
+    assert [e["state"] for e in r["report"]["engines"]] == ["restored", "restored"]
+    for e in s["eq_fault_rb"]:
+        assert e["equal"], e  # both back on B bit-identically
+    for g in s["g_fault_rb"]:
+        assert _tokens(g) == _tokens(s["g_B"][0]) and _lps(g) == _lps(s["g_B"][0])
+    # engine0 committed and rolled back (one more version), engine1 never wrote: raised to the same
+    assert s["v_fault_rb"]["versions"][0] == s["v_fault_rb"]["versions"][1] == 3, s["v_fault_rb"]
+
+
+def test_the_same_failure_without_backups_leaves_the_fleet_mixed_until_a_good_update(run):
+    s = run["steps"]
+    r = s["fault_vtw"]
+    assert (r["ok"], r["state"]) == (False, "mixed"), r
+    assert [e["state"] for e in r["report"]["engines"]] == ["mixed", "mixed"]
+    assert [e["guarantee"] for e in r["report"]["engines"]] == ["validate-then-write"] * 2
+    for g in s["g_mixed"]:
+        assert "request refused" in g.get("error", ""), g
+    r = s["push_C"]
+    assert r["ok"] and r["report"]["state"] == "committed", r
+    v = r["report"]["version"]
+    assert s["v_C"] == {"versions": [v, v]}
+    fa, fb = s["fp_C"]
+    assert fa == fb
+    ga, gb = s["g_C"]
+    assert _tokens(ga) == _tokens(gb)
+    assert _vs_reference(ga, run["weights"]["C"])["token_mult_prob_error"] <= 1.02
+
+
+def test_an_engine_killed_mid_update_is_an_error_naming_it_and_the_survivor_rolls_back(run):
+    """engine1's worker is killed (SIGKILL) after every engine prepared, as the commits go out: engine0 has
+    committed and is rolled back from its backup; engine1's state is unknown (dead), and so is the fleet's."""
+    s = run["steps"]
+    if "killed" not in s:
+        pytest.skip("the engine's worker runs in this process (no engine-core process to kill)")
+    r = s["killed"]
+    assert (r["ok"], r["state"]) == (False, "unknown"), r
+    assert "engine1" in r["message"], r
+    assert r["seconds"] < 30.0 + 10.0, r["seconds"]  # within timeout_s, never a hang
+    e0, e1 = r["report"]["engines"]
+    assert e1["dead"] and e1["state"] == "unknown" and e1["errors"], e1
+    assert e0["state"] == "restored" and not e0["dead"], e0
+    assert e0["version"] == s["v_C"]["versions"][0] + 2  # committed, then rolled back
+    assert s["survivor_eq"]["equal"], s["survivor_eq"]
+    assert _tokens(s["survivor_gen"]) == _tokens(s["g_C"][0])

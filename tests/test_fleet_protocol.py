@@ -1,0 +1,233 @@
+"""The fleet update's two phases (vllm_rlpatch.refit.fleet) against scripted engines (no vLLM): who is
+aborted when, what the report says, fencing by deadline, a hung engine named within timeout_s, the bytes
+packed once. The same code on real vLLM engines: tests/test_fleet.py."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_rlpatch.refit import RefitError, fleet
+from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.target import Target
+
+SCHEMA = P.Schema({"w": ([4], "float32"), "b": ([2], "float32")}, {}, "test", "float32")
+TENSORS = [("w", torch.arange(4, dtype=torch.float32)), ("b", torch.ones(2))]
+
+
+class Front:
+    """Stands for an engine's front end object (hashable, weak-referenceable)."""
+
+
+class FakeEngine(Target):
+    """One engine with one worker that follows the worker protocol: prepare stages, commit writes (and keeps
+    a backup while ``rollback``), abort drops or restores, a deadline fences the commit."""
+
+    kind = "llm"
+
+    def __init__(self, guarantee="rollback", refuse=False, fail_commit=False, hang=None, hang_s=3.0):
+        self.front = Front()
+        self.guarantee, self.refuse, self.fail_commit, self.hang, self.hang_s = (guarantee, refuse, fail_commit,
+                                                                                  hang, hang_s)
+        self.weights_version, self.calls, self.txs, self.aborted = 0, [], {}, set()
+        self.segments = None
+        self.state = "clean"
+
+    def describe(self):
+        return [{"schema": SCHEMA.as_dict()}]
+
+    def version(self):
+        return self.weights_version
+
+    def rpc(self, method, args, kwargs):
+        self.calls.append(method)
+        if self.hang == method:
+            time.sleep(self.hang_s)
+        return [getattr(self, method.removeprefix("rlpatch_refit_"))(*args, **kwargs)]
+
+    def prepare(self, req, inflight=None):
+        if req["txid"] in self.aborted:
+            return {"ok": False, "state": "unchanged", "kind": "refused", "message": "aborted"}
+        self.segments = [s["path"] for s in req["transport"]["segments"]]
+        if self.refuse:
+            return {"ok": False, "state": "unchanged", "kind": "refused", "message": "no room for the backup"}
+        self.txs[req["txid"]] = {"deadline": req["deadline"], "version": req["version"], "written": False}
+        return {"ok": True, "state": "unchanged", "guarantee": self.guarantee}
+
+    def commit(self, txid, version=None, release=True, inflight=None):
+        tx = self.txs.get(txid)
+        if tx is None:
+            return {"ok": False, "state": "unchanged", "kind": "refused", "message": f"no prepared update {txid}"}
+        if time.time() > tx["deadline"]:
+            del self.txs[txid]
+            return {"ok": False, "state": "unchanged", "kind": "refused", "message": "passed its deadline"}
+        tx["written"] = True
+        if self.fail_commit:
+            del self.txs[txid]
+            self.state = "clean" if self.guarantee == "rollback" else "mixed"
+            return {"ok": False, "kind": "fault", "message": "injected fault",
+                    "state": "restored" if self.guarantee == "rollback" else "mixed"}
+        self.weights_version = max(self.weights_version + 1, version or 0)
+        self.state = "new"
+        if release:
+            del self.txs[txid]
+        return {"ok": True, "state": "committed", "version": self.weights_version, "guarantee": self.guarantee}
+
+    def abort(self, txid):
+        self.aborted.add(txid)
+        tx = self.txs.pop(txid, None)
+        if tx is None or not tx["written"]:
+            return {"ok": True, "state": "unchanged"}
+        if self.guarantee == "rollback":
+            self.weights_version += 1
+            self.state = "clean"
+            return {"ok": True, "state": "restored"}
+        self.state = "mixed"
+        return {"ok": False, "state": "mixed", "message": "aborted after it wrote, no backup"}
+
+    def release(self, txid):
+        self.txs.pop(txid, None)
+        return {"ok": True}
+
+    def rlpatch_weight_state(self):
+        return {"version": self.weights_version, "mixed": None}
+
+    def align_version(self, version):
+        self.weights_version = max(self.weights_version, version)
+        return self.weights_version
+
+
+def push(engines, **kw):
+    return fleet.push_weights(engines, TENSORS, transport="shm", **kw)
+
+
+def test_a_good_update_commits_every_engine_at_one_version():
+    a, b = FakeEngine(), FakeEngine()
+    b.weights_version = 3
+    rep = push([a, b])
+    assert rep.ok and rep.state == "committed" and rep.version == 4 and rep.versions == [4, 4]
+    assert [e["state"] for e in rep.engines] == ["committed", "committed"]
+    assert rep.slowest in ("engine0", "engine1") and rep.slowest_seconds >= 0
+    # every engine prepared before any engine committed; the backups were released only after all committed
+    for e in (a, b):
+        assert [c for c in e.calls if c.startswith("rlpatch_refit_")] == [
+            "rlpatch_refit_prepare", "rlpatch_refit_commit", "rlpatch_refit_release"]
+    assert a.segments == b.segments  # packed once: both engines read the same segments
+    assert fleet.weight_version([a, b]) == [4, 4]
+
+
+def test_a_refusal_in_prepare_aborts_every_engine_and_nothing_is_written():
+    a, b = FakeEngine(), FakeEngine(refuse=True)
+    with pytest.raises(RefitError) as ei:
+        push([a, b])
+    rep = ei.value.report
+    assert (rep.ok, rep.state, ei.value.state) == (False, "unchanged", "unchanged")
+    assert "engine1" in str(ei.value) and "no room for the backup" in str(ei.value)
+    assert "rlpatch_refit_commit" not in a.calls + b.calls
+    assert a.calls[-1] == b.calls[-1] == "rlpatch_refit_abort"
+    assert (a.state, b.state, a.weights_version, b.weights_version) == ("clean", "clean", 0, 0)
+    assert rep.versions == [0, 0]
+
+
+def test_a_commit_failure_rolls_back_every_engine_with_a_backup_and_versions_agree():
+    a, b = FakeEngine(), FakeEngine(fail_commit=True)
+    rep = push([a, b], raise_on_error=False)
+    assert (rep.ok, rep.state) == (False, "restored")
+    assert [e["state"] for e in rep.engines] == ["restored", "restored"]
+    assert a.state == b.state == "clean"
+    assert a.weights_version == b.weights_version == 2  # a: commit + rollback; b: raised to the same
+    assert "commit failed on engine1" in rep.message
+    assert fleet.weight_version([a, b]) == [2, 2]
+
+
+def test_a_commit_failure_without_backups_leaves_the_fleet_mixed():
+    a, b = FakeEngine("validate-then-write"), FakeEngine("validate-then-write", fail_commit=True)
+    with pytest.raises(RefitError) as ei:
+        push([a, b])
+    assert ei.value.state == "mixed" and a.state == b.state == "mixed"
+    assert [e["state"] for e in ei.value.report.engines] == ["mixed", "mixed"]
+
+
+def test_a_hung_engine_is_an_error_naming_it_within_timeout_s_and_the_others_abort():
+    a, b = FakeEngine(), FakeEngine(hang="rlpatch_refit_prepare", hang_s=8.0)
+    t0 = time.monotonic()
+    with pytest.raises(RefitError) as ei:
+        push([a, b], timeout_s=1.0)
+    took = time.monotonic() - t0
+    assert took < 5.0, took  # the hung prepare answers only after 8 s
+    assert "engine1: no answer to prepare within 1.0 s" in str(ei.value)
+    rep = ei.value.report
+    assert rep.engines[1]["dead"] and rep.engines[1]["state"] == "unknown"
+    assert rep.engines[0]["state"] == "unchanged" and a.calls[-1] == "rlpatch_refit_abort"
+    assert "rlpatch_refit_commit" not in a.calls
+
+
+def test_a_worker_refuses_to_commit_after_the_deadline():
+    """The engine that prepared too slowly is fenced by the deadline its own worker checks: the commit it
+    receives after timeout_s is refused, nothing is written, and the other engine is rolled back."""
+    a, b = FakeEngine(hang="rlpatch_refit_prepare", hang_s=0.6), FakeEngine()
+    rep = push([a, b], timeout_s=0.5 + 0.3, raise_on_error=False)  # prepare answers at 0.6 s, deadline 0.8 s
+    # a's prepare answered in time, but by commit the deadline may be close: either all committed or a's
+    # commit was fenced (refused, unchanged) and b rolled back; never a mix
+    assert rep.state in ("committed", "restored"), rep
+    a2, b2 = FakeEngine(hang="rlpatch_refit_commit", hang_s=0.0), FakeEngine()
+    a2.txs_deadline_shift = True
+    orig = a2.commit
+
+    def late_commit(txid, **kw):
+        a2.txs[txid]["deadline"] = time.time() - 1  # the deadline has passed when the commit arrives
+        return orig(txid, **kw)
+    a2.commit = late_commit
+    rep = push([a2, b2], raise_on_error=False)
+    assert rep.state == "restored" and rep.engines[0]["state"] == "unchanged", rep
+    assert "deadline" in rep.message and b2.state == "clean"
+
+
+def test_an_engine_whose_commit_rpc_raised_is_aborted_too():
+    """A live engine whose commit RPC raised may have written: it is aborted (restored from its backup) along
+    with the engines that committed."""
+    a, b = FakeEngine(), FakeEngine()
+    orig = b.commit
+
+    def commit(txid, **kw):
+        orig(txid, release=False, **{k: v for k, v in kw.items() if k != "release"})
+        raise RuntimeError("the reply was lost")
+    b.commit = commit
+    rep = push([a, b], raise_on_error=False)
+    assert rep.state == "restored" and [e["state"] for e in rep.engines] == ["restored", "restored"], rep
+    assert a.state == b.state == "clean" and "the reply was lost" in rep.message
+
+
+def test_a_fleet_refuses_what_it_cannot_do_yet():
+    a = FakeEngine()
+    with pytest.raises(RefitError, match="list each engine once"):
+        push([a, a])
+    with pytest.raises(RefitError, match="dist"):
+        fleet.push_weights([FakeEngine(), FakeEngine()], TENSORS, transport="dist")
+    b = FakeEngine()
+    b.weights_version = 5
+    with pytest.raises(RefitError, match="disagree"):
+        fleet.weight_version([a, b])
+
+
+def test_the_worker_fences_a_late_or_aborted_commit():
+    """vllm_rlpatch.refit.transaction: a commit after the request's deadline, or of an aborted update, is
+    refused before anything is written; an aborted id is never prepared again."""
+    from vllm_rlpatch.refit import transaction as T
+
+    class W:
+        pass
+
+    w = W()
+    wr = T.WorkerRefit(w)
+    wr.txs["late"] = T._Tx({"txid": "late", "deadline": time.time() - 2.0})
+    r = wr.commit("late")
+    assert (r["ok"], r["kind"], r["state"]) == (False, "refused", "unchanged") and "deadline" in r["message"]
+    assert "late" not in wr.txs
+    wr.txs["gone"] = T._Tx({"txid": "gone"})
+    assert wr.abort("gone")["state"] == "unchanged"
+    r = wr.commit("gone")
+    assert (r["ok"], r["kind"]) == (False, "refused") and "aborted" in r["message"]
+    r = wr.prepare({"txid": "gone"})
+    assert (r["ok"], r["kind"]) == (False, "refused") and "aborted" in r["message"]
