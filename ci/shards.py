@@ -48,7 +48,7 @@ COST = {
     "tests/test_contract.py": 50,
     "tests/test_async_preempt.py": 35,
     "tests/test_cpu_amx.py": 20,
-    "tests/test_trainer.py": 30,
+    "tests/test_trainer.py": 50,  # the MRv2 interpreter check: ~20 s on 0.32.0
     "tests/test_install.py": 40,
 }
 

@@ -289,3 +289,31 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
     assert p.returncode == 0, p.stderr[-3000:]
     extra = int(p.stdout.strip().splitlines()[-1])
     assert extra < 96 << 20, f"the twin used {extra / 2**20:.0f} MiB beyond the logits"
+
+
+def test_the_mrv2_rules_match_mrv2s_own_kernels_run_by_tritons_interpreter():
+    """Model Runner V2 (vLLM >= 0.29) runs only on a GPU; its temperature and min-p kernels (min-p in logit space)
+    are run here by Triton's interpreter on the CPU, from the installed vLLM's sources, with top-k/top-p from
+    vLLM's PyTorch implementation (a GPU uses a Triton kernel for those, not run here). The twin's ``mrv2`` rules
+    must give MRv2's processed logprob for every kept token and MRv2's kept-set size on every row, including
+    tokens within rounding of min-p's threshold and an exact tie group."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from packaging.version import Version
+
+    from conftest import vllm_version
+
+    if Version(vllm_version().split("+")[0]) < Version("0.29"):
+        pytest.skip(f"vLLM {vllm_version()} has no Model Runner V2 sampler (0.29+)")
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parent / "scripts" / "mrv2_twin_interp.py"
+    r = subprocess.run([sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["rows"] == 36 and out["min_p_rows"] == 18 and out["tokens"] > 1000
+    assert out["max_abs_err"] <= 1e-5, out
+    assert out["twin_outside_or_boundary"] == 0, out

@@ -124,7 +124,10 @@ def is_fp32_lm_head(model: Any, *, head: Any = None) -> bool:
 # Model Runner V2 (GPU default from vLLM 0.29; v1/worker/gpu/sample/sampler.py in 0.32.0): logit bias ->
 #   penalties (same formulas, Triton kernel penalties.py) -> bad words (l.69-76) -> temperature (l.263) ->
 #   min-p in *logit* space (min_p.py l.35-44: `logits < max + log(min_p)` masked) -> top-k/top-p through the
-#   same apply_top_k_top_p (l.345). Not run here (MRv2 needs a GPU): the branch is marked unverified.
+#   same apply_top_k_top_p (l.345). MRv2 needs a GPU, which this project's CI lacks: its temperature and min-p
+#   kernels, run by Triton's interpreter on the CPU with top-k/top-p from vLLM's PyTorch implementation, match
+#   the twin's rules (tests/test_trainer.py, tests/scripts/mrv2_twin_interp.py); on a GPU the branch is
+#   unverified (`verified=False`).
 #
 # How the twin computes it without a full sort (an 8k x 152k fp32 sort holds 15 GB): every pass goes over
 # vocabulary chunks (`chunk_bytes`), recomputing penalties and temperature per chunk from the logits. Pass A:
