@@ -70,6 +70,8 @@ if __name__ == "__main__":
                             "hook_seconds": S.RUNTIME["seconds"] - h0,
                             "support_tokens": sum(len(s.log_mass_kept) for s in sup if s is not None)}
             rounds.append(row)
+            print(f"PROGRESS {name} round {r + 1}/{spec['rounds']}: " + ", ".join(
+                f"{a} {row[a]['tokens_per_s']:.0f} tok/s" for a in spec["arms"]), flush=True)
         out["settings"][name] = rounds
     try:
         from vllm_rlpatch import registry
@@ -111,12 +113,21 @@ def engine(model: str, arms: list[str], rounds: int, env_extra: dict[str, str]) 
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the hooks' own time counter is readable
     spec = {"model": model, "arms": arms, "rounds": rounds, "settings": SETTINGS}
-    p = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(spec)], capture_output=True, text=True, env=env,
-                       timeout=3600)
-    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        raise SystemExit(f"engine failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
-    return json.loads(lines[-1][7:])
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen([sys.executable, "-c", ENGINE, json.dumps(spec)], stdout=subprocess.PIPE, stderr=err,
+                             text=True, env=env)
+        lines = []
+        for line in p.stdout:  # progress as it comes; the result line at the end
+            if line.startswith("PROGRESS "):
+                print("  " + line[9:].rstrip(), flush=True)
+            lines.append(line)
+        rc = p.wait(timeout=3600)
+        err.seek(0)
+        tail = "".join(lines)[-2000:] + err.read()[-4000:]
+    res = [line for line in lines if line.startswith("RESULT ")]
+    if rc != 0 or not res:
+        raise SystemExit(f"engine failed ({rc}):\n{tail}")
+    return json.loads(res[-1][7:])
 
 
 def summarize(rounds: list[dict], a: str, b: str) -> dict:
@@ -146,7 +157,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlpatch-support-bench-") as d:
         for shape in args.shapes.split(","):
             model = build_model(Path(d) / f"llama-32k-{shape}", shape)
+            print(f"{shape}: engine A (sampling_support applied), requests asking (on) and not (off)", flush=True)
             a = engine(model, ["off", "on"], args.rounds, {})
+            print(f"{shape}: engine B (VLLM_RLPATCH_SAMPLING_SUPPORT=0: no sampler hook)", flush=True)
             b = engine(model, ["off"], args.rounds, {"VLLM_RLPATCH_SAMPLING_SUPPORT": "0"})
             summary = {}
             for name in SETTINGS:
