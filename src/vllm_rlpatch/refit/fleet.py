@@ -232,6 +232,20 @@ def _versions(engines: list[_Engine], timeout_s: float) -> dict[int, int | None]
     return out
 
 
+def _schemas(engines: list[_Engine], timeout_s: float) -> list[Any]:
+    """Every engine's schema (cached per engine after the first update), asked of all at once: an engine that
+    cannot say (unreachable, dead, no plugin) or does not answer within ``timeout_s`` is an error naming it."""
+    calls = _parallel({e.i: (lambda e=e: api.schema_for(e.tgt)) for e in engines}, timeout_s)
+    for e in engines:
+        c = calls[e.i]
+        if not c.done.is_set():
+            raise P.RefitError(f"{e.name}: no answer to describe within {timeout_s:.1f} s", kind="transport")
+        if c.error is not None:
+            kind = c.error.kind if isinstance(c.error, P.RefitError) else "refused"
+            raise P.RefitError(f"{e.name}: describe: {_one_line(c.error)}", kind=kind) from c.error
+    return [calls[e.i].result for e in engines]
+
+
 def _transport(engines: list[_Engine], opts: api.Options) -> str:
     """One transport for every engine: the bytes are placed once. ``shm`` / ``cuda_ipc`` need every engine on
     this host; no ``cuda_ipc`` over HTTP (``auto`` then takes ``shm``)."""
@@ -262,17 +276,16 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
     tgts = [resolve(t) for t in targets]
     _check_targets(tgts)
     engines = [_Engine(i, t) for i, t in enumerate(tgts)]
-    opts = dataclasses.replace(opts, transport=_transport(engines, opts))
     stages: dict[str, float] = {}
     # schemas: every engine must expect the same tensors
-    schema = api.schema_for(tgts[0])
-    workers = [getattr(schema, "workers", None)]
-    for e in engines[1:]:
-        s = api.schema_for(e.tgt)
-        workers.append(getattr(s, "workers", None))
+    schemas = _schemas(engines, opts.timeout_s)
+    schema = schemas[0]
+    workers = [getattr(s, "workers", None) for s in schemas]
+    for e, s in zip(engines[1:], schemas[1:]):
         if s.tensors != schema.tensors or s.aliases != schema.aliases:
             raise P.RefitError(f"{e.name} serves another model than engine0 (its schema differs): a fleet update "
                                "needs one model", kind="validation")
+    opts = dataclasses.replace(opts, transport=_transport(engines, opts))
     t1 = time.perf_counter()
     cur = _versions(engines, opts.timeout_s)
     stages["versions"] = time.perf_counter() - t1
@@ -473,7 +486,14 @@ def weight_version(target: Any) -> Any:
     :class:`~vllm_rlpatch.refit.protocol.RefitError` if they disagree."""
     if not isinstance(target, (list, tuple)):
         return api.weight_version(target)
-    vs = [resolve(t).version() for t in target]
+    vs = []
+    for i, t in enumerate(target):
+        e = _Engine(i, resolve(t))
+        try:
+            vs.append(e.tgt.version())
+        except Exception as err:  # noqa: BLE001 - which engine could not say, in one line
+            kind = err.kind if isinstance(err, P.RefitError) else "refused"
+            raise P.RefitError(f"{e.name}: weight_version: {_one_line(err)}", kind=kind) from err
     if len(set(vs)) > 1:
         err = P.RefitError("the engines' weight versions disagree: " + ", ".join(f"engine{i}={v}"
                                                                                for i, v in enumerate(vs)),

@@ -82,6 +82,7 @@ class RayTarget(Target):
         except Exception:  # noqa: BLE001 - Ray internals; the name is only a label
             aid = "?"
         cls = getattr(getattr(self.handle, "_ray_actor_creation_function_descriptor", None), "class_name", None)
+        cls = cls.rsplit(".", 1)[-1] if cls else None  # (a class defined in a function: "main.<locals>.Host")
         return f"Ray actor {cls + ' ' if cls else ''}{aid}"
 
     def key(self) -> Any:
