@@ -200,3 +200,20 @@ def test_the_phase_routes_check_token_phase_and_body(servers):
     assert _call(s.url, "POST", "/refit/align_version", {"version": 9}) == (200, {"ok": True, "workers": [9]})
     assert _call(s.url, "POST", "/refit/abort", {"txid": "nothing"})[1]["state"] == "unchanged"
     assert e.calls == ["rlpatch_weight_state", "rlpatch_refit_align_version", "rlpatch_refit_abort"]
+
+
+def test_a_server_without_the_phase_routes_is_named_with_the_cause(servers):
+    """A server whose vllm-rlpatch predates fleet updates answers 404 to /refit/<phase>: one line saying so."""
+    from fastapi import FastAPI
+
+    s = servers[0]
+    old = s.app.router.routes
+    s.app.router.routes = [r for r in old if "/refit/" not in getattr(r, "path", "")]
+    try:
+        with pytest.raises(RefitError) as ei:
+            push([FakeEngine(), s.target()])
+    finally:
+        s.app.router.routes = old
+    msg = str(ei.value)
+    assert f"engine1 ({s.url}): weight_version: GET /rlpatch/v1/refit/weight_state: HTTP 404" in msg, msg
+    assert "predates fleet updates" in msg and "\n" not in msg and isinstance(s.app, FastAPI)

@@ -34,9 +34,17 @@ aborted, and the shared-memory segments of that update are not reused (the next 
 The segments of an update are reused by the fleet's next update only after every engine answered (or was
 declared dead) - which is when this call returns.
 
-Not here (yet): Ray handles and URLs in a fleet (their targets run the whole transaction in one call, the
-prepare/commit split is not exposed over Ray or HTTP), ``dist`` to several engines (one broadcast group spanning
-every engine's workers), several trainer ranks sending shards (one sender: the caller).
+Where the engines are: each phase (``prepare``, ``commit`` keeping the backup, ``release``, ``abort``,
+``weight_state``, ``align_version``) is one call to where the engine lives (:meth:`~.target.Target.phase`,
+built from plain data by :func:`~.coordinator.coordinate_phase`): an engine of this process through its RPCs
+here; a Ray actor handle as one ``__ray_call__`` into the actor (:mod:`.ray`); a URL as one call to the server's
+``/rlpatch/v1/refit/<phase>`` route (:mod:`.http`). Any mix of them. The engine's front end takes the outcome
+where it lives (a mixed engine refuses requests in its actor or server). Every engine must be on this host (the
+bytes are placed once: shared memory, or CUDA IPC without URLs). Engines are named ``engine<i>``, with the URL
+or the Ray actor (``engine1 (Ray actor Host 3f2a...)``).
+
+Not here (yet): engines on other hosts and ``dist`` to several engines (one broadcast group spanning every
+engine's workers), several trainer ranks sending shards (one sender: the caller).
 """
 
 from __future__ import annotations
@@ -226,7 +234,9 @@ def _versions(engines: list[_Engine], timeout_s: float) -> dict[int, int | None]
             elif c is not None:
                 if _is_dead(c.error):
                     e.dead = True
-                e.errors.append(f"{e.name}: weight_version: {type(c.error).__name__}: {_one_line(c.error)}")
+                why = _one_line(c.error) if isinstance(c.error, P.RefitError) else \
+                    f"{type(c.error).__name__}: {_one_line(c.error)}"
+                e.errors.append(f"{e.name}: weight_version: {why}")
         else:
             out[e.i] = int(c.result)
     return out

@@ -281,12 +281,17 @@ class HttpTarget(Target):
         except urllib.error.HTTPError as e:
             got: dict[str, Any] = {}
             try:
-                got = json.loads(e.read())
+                body_ = json.loads(e.read())
+                got = body_ if isinstance(body_, dict) else {}
                 detail = got.get("error")
             except Exception:
                 detail = e.reason
             kind = "refused" if e.code in (401, 403) else (got.get("kind") or "validation")
-            if e.code == 404:
+            if e.code == 404 and path.startswith("/refit/") and not got.get("error"):
+                detail = (f"{self.url} has no {PREFIX}{path} route: the server's vllm-rlpatch predates fleet "
+                          "updates (upgrade it there), does not run, or VLLM_RLPATCH_REFIT_HTTP=0")
+                kind = "refused"
+            elif e.code == 404 and not got.get("error"):
                 detail = (f"{self.url} has no {PREFIX} routes: the server does not run vllm-rlpatch (or "
                           "VLLM_RLPATCH_REFIT_HTTP=0)")
                 kind = "refused"
