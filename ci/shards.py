@@ -41,6 +41,8 @@ COST = {
     "tests/test_sampling_support.py": 55,
     "tests/test_fleet.py": 60,  # two engines in one process, one script run
     "tests/test_fleet_protocol.py": 10,  # scripted engines, no vLLM engine
+    "tests/test_fleet_ray.py": 95,  # two Ray actors with an engine each; newest CI version only (0 s elsewhere)
+    "tests/test_fleet_http.py": 10,  # the phase routes + HTTP client in front of scripted engines, no vLLM
     "tests/test_doctor.py": 110,
     "tests/test_kv_pin.py": 150,
     "tests/test_rollout.py": 120,

@@ -220,3 +220,32 @@ def test_a_sender_killed_mid_transfer_leaves_the_engine_serving(server, new_weig
     assert r["ok"] and r["version"] == v0 + 1, r
     out, _ = _complete(url)
     assert all(c["rlpatch_weight_versions"][0][2] == v0 + 1 for c in out["choices"])
+
+
+def test_a_fleet_update_runs_its_phases_through_the_servers_routes(server, new_weights, tmp_path):
+    """push_weights([url]): the fleet's phases (prepare, commit keeping the backup, release) as one call each
+    to /rlpatch/v1/refit/<phase>, run by the server's coordinator on both tensor-parallel workers."""
+    url, _ = server
+    tok = _token(url)
+    status, state, _ = _get(url, "/rlpatch/v1/refit/weight_state", token=tok)
+    assert status == 200 and len(state["workers"]) == 2 and state["workers"][0]["mixed"] is None, state
+    v0 = state["workers"][0]["version"]
+    assert _get(url, "/rlpatch/v1/refit/weight_state")[0] == 401
+    r = _trainer(tmp_path, {"url": url, "weights": new_weights["B"], "kw": {"transport": "shm"}, "fleet": True})
+    assert r["ok"], r
+    rep = r["report"]
+    assert rep["state"] == "committed" and rep["versions"] == [v0 + 1] and r["version"] == v0 + 1, rep
+    assert rep["engines"][0]["name"] == f"engine0 ({url})" and rep["engines"][0]["guarantee"] == "rollback"
+    assert {"prepare", "commit", "release"} <= set(rep["stages"]), rep["stages"]
+    out, _ = _complete(url)
+    model = R.load(new_weights["B"])
+    for ch, prompt in zip(out["choices"], ["the quick cat sees", "12 + 7 ="]):
+        n = len(ch["token_ids"])
+        assert ch["rlpatch_weight_versions"] == [[0, n, v0 + 1, v0 + 1]], ch  # the server's front end took it
+        prompt_ids = ch.get("prompt_token_ids") or R.tokenize(model_path(), prompt)
+        ref = R.token_logprobs(model, prompt_ids, ch["token_ids"])
+        assert R.mismatch(ch["logprobs"]["token_logprobs"], ref)["token_mult_prob_error"] <= 1.02
+    ip = _non_loopback_ip()
+    if ip is not None:
+        status, body, _ = _get(url, "/rlpatch/v1/refit/weight_state", token=tok, host=ip)
+        assert status == 403 and "loopback" in body["error"], body

@@ -3,8 +3,10 @@
     python http_trainer.py SPEC.json      -> prints `RESULT {...}` (unless it was told to die)
 
 SPEC: {"url": URL, "weights": DIR, "kw": {...push_weights kwargs...}, "die_after_buckets": N | null,
-       "token": TOKEN | null}. With die_after_buckets the process SIGKILLs itself right before broadcasting
-bucket N (dist transport): the engine sees its sender vanish mid-transfer.
+       "token": TOKEN | null, "fleet": bool}. With die_after_buckets the process SIGKILLs itself right before
+broadcasting bucket N (dist transport): the engine sees its sender vanish mid-transfer. fleet:
+push_weights([target]) (a fleet of this one server: each phase of the update is one call to its
+/rlpatch/v1/refit/<phase> route).
 """
 
 import json
@@ -36,7 +38,7 @@ def main():
 
         T.DistSender._run = _run
     try:
-        rep = push_weights(target, sorted(sd.items()), **spec.get("kw", {}))
+        rep = push_weights([target] if spec.get("fleet") else target, sorted(sd.items()), **spec.get("kw", {}))
         out = {"ok": True, "report": rep.as_dict(), "version": weight_version(target)}
     except RefitError as e:
         out = {"ok": False, "kind": e.kind, "state": e.state, "message": str(e)}

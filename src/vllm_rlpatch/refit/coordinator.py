@@ -22,6 +22,10 @@ from vllm_rlpatch.refit import protocol as P
 Rpc = tuple[str, tuple, dict]
 PREPARE, COMMIT, ABORT, RELEASE = ("rlpatch_refit_prepare", "rlpatch_refit_commit", "rlpatch_refit_abort",
                                    "rlpatch_refit_release")
+ALIGN = "rlpatch_refit_align_version"
+# The phases of a fleet update (:mod:`.fleet`), each one call to where the engine lives (this process, a Ray
+# actor, ``vllm serve``): :func:`coordinate_phase`.
+PHASES = ("prepare", "commit", "release", "abort", "weight_state", "align_version")
 _STATE_ORDER = ("unchanged", "restored", "mixed")
 
 
@@ -136,6 +140,43 @@ def coordinate_abort(txid: str) -> Generator[Rpc, list, dict[str, Any]]:
     state = _worst(r.get("state") for r in rb)
     return {"ok": state != "mixed", "state": state, "workers": rb,
             "message": next((r.get("message") for r in rb if r.get("message")), "")}
+
+
+def coordinate_phase(front: Any, phase: str, args: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
+    """One phase of a fleet update (:mod:`.fleet`), run where the engine's front end is (the caller's process
+    for a ``vllm.LLM`` / ``AsyncLLM``, the actor for a Ray handle, the API server for a URL), from plain data
+    (``args``, JSON-able), with what the front end holds afterwards (:func:`finish`):
+
+    * ``prepare`` ``{"req"}``: :func:`coordinate_prepare`;
+    * ``commit`` ``{"req", "n", "keep"}``: :func:`coordinate_commit`; a failure that left the engine ``mixed``
+      makes its front end refuse requests;
+    * ``release`` ``{"txid", "version"}``: the fleet committed: the front end takes the update (a mixed state is
+      cleared, the update event fires), then :func:`coordinate_release` drops the backups;
+    * ``abort`` ``{"txid"}``: :func:`coordinate_abort`; ``mixed`` afterwards: the front end refuses requests;
+    * ``weight_state`` ``{}``: every worker's ``rlpatch_weight_state`` (version, mixed) under ``workers``;
+    * ``align_version`` ``{"version"}``: every worker's version raised to it (``workers``: the versions).
+    """
+    if phase == "prepare":
+        return (yield from coordinate_prepare(args["req"]))
+    if phase == "commit":
+        out = yield from coordinate_commit(args["req"], int(args["n"]), keep=bool(args.get("keep", True)))
+        if not out.get("ok") and out.get("state") == "mixed" and front is not None:
+            finish(front, out)
+        return out
+    if phase == "release":
+        if front is not None:  # before the RPC: the update is in whether or not dropping its backup works
+            finish(front, {"ok": True, "state": "committed", "version": args.get("version")})
+        return (yield from coordinate_release(args["txid"]))
+    if phase == "abort":
+        out = yield from coordinate_abort(args["txid"])
+        if out["state"] == "mixed" and front is not None:
+            finish(front, {**out, "ok": False, "workers_abort": out.get("workers") or []})
+        return out
+    if phase == "weight_state":
+        return {"ok": True, "workers": (yield (mixed.STATE_RPC, (), {}))}
+    if phase == "align_version":
+        return {"ok": True, "workers": (yield (ALIGN, (int(args["version"]),), {}))}
+    raise P.RefitError(f"unknown refit phase {phase!r} (one of {', '.join(PHASES)})", kind="validation")
 
 
 def run_sync(gen: Generator, rpc: Callable[[str, tuple, dict], list]) -> Any:

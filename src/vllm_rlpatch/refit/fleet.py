@@ -34,9 +34,17 @@ aborted, and the shared-memory segments of that update are not reused (the next 
 The segments of an update are reused by the fleet's next update only after every engine answered (or was
 declared dead) - which is when this call returns.
 
-Not here (yet): Ray handles and URLs in a fleet (their targets run the whole transaction in one call, the
-prepare/commit split is not exposed over Ray or HTTP), ``dist`` to several engines (one broadcast group spanning
-every engine's workers), several trainer ranks sending shards (one sender: the caller).
+Where the engines are: each phase (``prepare``, ``commit`` keeping the backup, ``release``, ``abort``,
+``weight_state``, ``align_version``) is one call to where the engine lives (:meth:`~.target.Target.phase`,
+built from plain data by :func:`~.coordinator.coordinate_phase`): an engine of this process through its RPCs
+here; a Ray actor handle as one ``__ray_call__`` into the actor (:mod:`.ray`); a URL as one call to the server's
+``/rlpatch/v1/refit/<phase>`` route (:mod:`.http`). Any mix of them. The engine's front end takes the outcome
+where it lives (a mixed engine refuses requests in its actor or server). Every engine must be on this host (the
+bytes are placed once: shared memory, or CUDA IPC without URLs). Engines are named ``engine<i>``, with the URL
+or the Ray actor (``engine1 (Ray actor Host 3f2a...)``).
+
+Not here (yet): engines on other hosts and ``dist`` to several engines (one broadcast group spanning every
+engine's workers), several trainer ranks sending shards (one sender: the caller).
 """
 
 from __future__ import annotations
@@ -56,7 +64,6 @@ from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.resolve import resolve
 from vllm_rlpatch.refit.target import Target
 
-ALIGN = "rlpatch_refit_align_version"
 
 
 @dataclasses.dataclass
@@ -124,7 +131,8 @@ def _parallel(fns: dict[int, Callable[[], Any]], timeout_s: float) -> dict[int, 
 class _Engine:
     def __init__(self, i: int, tgt: Target):
         self.i, self.tgt = i, tgt
-        self.name = f"engine{i}" + (f" ({tgt.url})" if getattr(tgt, "url", None) else "")
+        where = getattr(tgt, "url", None) or getattr(tgt, "label", None)
+        self.name = f"engine{i}" + (f" ({where})" if where else "")
         self.errors: list[str] = []
         self.dead = False
         self.prep: dict[str, Any] | None = None
@@ -134,16 +142,23 @@ class _Engine:
         self.seconds = 0.0
         self.version: int | None = None
 
-    def drive(self, gen) -> dict[str, Any]:
-        return C.run_sync(gen, self.tgt.rpc)
+    def drive(self, phase: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """One phase (:func:`~.coordinator.coordinate_phase`) where this engine lives: an engine of this
+        process through its RPCs here, a Ray actor or a ``vllm serve`` in one call there."""
+        return self.tgt.phase(phase, args, timeout_s)
 
 
-def _run_phase(engines: list[_Engine], what: str, make: Callable[[_Engine], Any], timeout_s: float
+def _one_line(text: str) -> str:
+    return (str(text).strip().splitlines() or [""])[0]
+
+
+def _run_phase(engines: list[_Engine], what: str, args: Callable[[_Engine], dict[str, Any]], timeout_s: float
                ) -> dict[int, dict[str, Any]]:
-    """Run ``make(engine)`` (a coordinator generator) on every live engine at once. An RPC that raised or did
-    not answer within ``timeout_s`` is that engine's failure (the latter also marks it dead)."""
+    """Run phase ``what`` with ``args(engine)`` on every live engine at once. A call that raised or did not
+    answer within ``timeout_s`` is that engine's failure (the latter, or a dead/unreachable engine, also marks
+    it dead)."""
     live = [e for e in engines if not e.dead]
-    calls = _parallel({e.i: (lambda e=e: e.drive(make(e))) for e in live}, timeout_s)
+    calls = _parallel({e.i: (lambda e=e: e.drive(what, args(e), timeout_s)) for e in live}, timeout_s)
     out: dict[int, dict[str, Any]] = {}
     for e in live:
         c = calls[e.i]
@@ -155,40 +170,59 @@ def _run_phase(engines: list[_Engine], what: str, make: Callable[[_Engine], Any]
             continue
         e.seconds += c.seconds
         if c.error is not None:
-            err = C.rpc_error_to_refit(c.error, f"{e.name} {what}")
-            e.errors.append(str(err))
-            if "dead" in str(c.error).lower() or type(c.error).__name__ in ("EngineDeadError", "EOFError"):
+            if isinstance(c.error, P.RefitError):  # a remote engine's call (Ray, HTTP) said what went wrong
+                err = P.RefitError(f"{e.name} {what}: {_one_line(c.error)}", kind=c.error.kind)
+            else:
+                err = C.rpc_error_to_refit(c.error, f"{e.name} {what}")
+                if not str(err).startswith(e.name):
+                    err = P.RefitError(f"{e.name} {what}: {_one_line(err)}", kind=err.kind)
+            e.errors.append(_one_line(err))
+            if _is_dead(c.error):
                 e.dead = True
             out[e.i] = {"ok": False, "kind": err.kind, "state": "unknown" if what != "prepare" else "unchanged",
-                        "message": str(err)}
+                        "message": _one_line(err)}
             continue
         r = c.result
         if not r.get("ok") and r.get("message"):
-            e.errors.append(f"{e.name} {what}: {r.get('message')}")
+            e.errors.append(f"{e.name} {what}: {_one_line(r.get('message'))}")
         out[e.i] = r
     return out
 
 
+def _is_dead(err: BaseException) -> bool:
+    """An engine that cannot answer any more: a dead engine core or Ray actor, an unreachable server."""
+    text = str(err).lower()
+    return ("dead" in text or "unreachable" in text or "no answer within" in text
+            or type(err).__name__ in ("EngineDeadError", "EOFError"))
+
+
+def _engine_key(t: Target) -> Any:
+    """What makes two targets one engine: its front end object, its Ray actor, its URL."""
+    if t.front is not None:
+        return ("front", id(t.front))
+    if hasattr(t, "key"):
+        return t.key()
+    if getattr(t, "url", None):
+        return ("url", t.url)
+    return ("target", id(t))
+
+
 def _check_targets(tgts: list[Target]) -> None:
-    seen: dict[int, int] = {}
+    seen: dict[Any, int] = {}
     for i, t in enumerate(tgts):
-        if t.kind not in ("llm", "async_llm"):
-            raise P.RefitError(f"engine{i}: a {t.kind} target in a fleet is not supported yet (its prepare and "
-                               "commit are one call over Ray/HTTP): pass vllm.LLM / AsyncLLM objects of this "
-                               "process, or push to that engine on its own", kind="validation")
-        k = id(t.front if t.front is not None else t)
+        k = _engine_key(t)
         if k in seen:
             raise P.RefitError(f"engine{i} is engine{seen[k]} again: list each engine once", kind="validation")
         seen[k] = i
 
 
-def _version_of(tgt: Target) -> int:
+def _version_of(e: _Engine, timeout_s: float) -> int:
     """The engine's version, also while its weights are mixed (``rlpatch_weight_state`` never raises for that)."""
-    return max(int(s["version"]) for s in tgt.rpc("rlpatch_weight_state", (), {}))
+    return max(int(s["version"]) for s in e.drive("weight_state", {}, timeout_s)["workers"])
 
 
 def _versions(engines: list[_Engine], timeout_s: float) -> dict[int, int | None]:
-    calls = _parallel({e.i: (lambda e=e: _version_of(e.tgt)) for e in engines if not e.dead}, timeout_s)
+    calls = _parallel({e.i: (lambda e=e: _version_of(e, timeout_s)) for e in engines if not e.dead}, timeout_s)
     out: dict[int, int | None] = {}
     for e in engines:
         c = calls.get(e.i)
@@ -198,12 +232,50 @@ def _versions(engines: list[_Engine], timeout_s: float) -> dict[int, int | None]
                 e.dead = True
                 e.errors.append(f"{e.name}: no answer to weight_version within {timeout_s:.1f} s (declared dead)")
             elif c is not None:
-                if type(c.error).__name__ == "EngineDeadError" or "dead" in str(c.error).lower():
+                if _is_dead(c.error):
                     e.dead = True
-                e.errors.append(f"{e.name}: weight_version: {type(c.error).__name__}: {c.error}")
+                why = _one_line(c.error) if isinstance(c.error, P.RefitError) else \
+                    f"{type(c.error).__name__}: {_one_line(c.error)}"
+                e.errors.append(f"{e.name}: weight_version: {why}")
         else:
             out[e.i] = int(c.result)
     return out
+
+
+def _schemas(engines: list[_Engine], timeout_s: float) -> list[Any]:
+    """Every engine's schema (cached per engine after the first update), asked of all at once: an engine that
+    cannot say (unreachable, dead, no plugin) or does not answer within ``timeout_s`` is an error naming it."""
+    calls = _parallel({e.i: (lambda e=e: api.schema_for(e.tgt)) for e in engines}, timeout_s)
+    for e in engines:
+        c = calls[e.i]
+        if not c.done.is_set():
+            raise P.RefitError(f"{e.name}: no answer to describe within {timeout_s:.1f} s", kind="transport")
+        if c.error is not None:
+            kind = c.error.kind if isinstance(c.error, P.RefitError) else "refused"
+            raise P.RefitError(f"{e.name}: describe: {_one_line(c.error)}", kind=kind) from c.error
+    return [calls[e.i].result for e in engines]
+
+
+def _transport(engines: list[_Engine], opts: api.Options) -> str:
+    """One transport for every engine: the bytes are placed once. ``shm`` / ``cuda_ipc`` need every engine on
+    this host; no ``cuda_ipc`` over HTTP (``auto`` then takes ``shm``)."""
+    tr = opts.transport
+    if tr == "dist":
+        raise P.RefitError("transport='dist' to several engines is not supported yet (one broadcast group spanning "
+                           "every engine's workers): use 'shm' (same host) or push to each engine on its own",
+                           kind="validation")
+    for e in engines:
+        if not e.tgt.same_host():
+            raise P.RefitError(f"{e.name} is on another host: a fleet update places the bytes once, in this host's "
+                               "shared memory (or CUDA IPC), which every engine maps; dist to several engines is "
+                               "not supported yet: push to that engine on its own", kind="validation")
+    http = next((e for e in engines if e.tgt.kind == "http"), None)
+    if http is not None:
+        if tr == "cuda_ipc":
+            raise P.RefitError(f"{http.name}: transport='cuda_ipc' is not offered over HTTP (IPC handles would need "
+                               "pickle): use shm (or auto) for a fleet with a URL", kind="validation")
+        return "shm"
+    return tr
 
 
 def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_on_error: bool = True
@@ -214,20 +286,16 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
     tgts = [resolve(t) for t in targets]
     _check_targets(tgts)
     engines = [_Engine(i, t) for i, t in enumerate(tgts)]
-    if opts.transport == "dist":
-        raise P.RefitError("transport='dist' to several engines is not supported yet (one broadcast group spanning "
-                           "every engine's workers): use 'shm' (same host) or push to each engine on its own",
-                           kind="validation")
     stages: dict[str, float] = {}
     # schemas: every engine must expect the same tensors
-    schema = api.schema_for(tgts[0])
-    workers = [getattr(schema, "workers", None)]
-    for e in engines[1:]:
-        s = api.schema_for(e.tgt)
-        workers.append(getattr(s, "workers", None))
+    schemas = _schemas(engines, opts.timeout_s)
+    schema = schemas[0]
+    workers = [getattr(s, "workers", None) for s in schemas]
+    for e, s in zip(engines[1:], schemas[1:]):
         if s.tensors != schema.tensors or s.aliases != schema.aliases:
             raise P.RefitError(f"{e.name} serves another model than engine0 (its schema differs): a fleet update "
                                "needs one model", kind="validation")
+    opts = dataclasses.replace(opts, transport=_transport(engines, opts))
     t1 = time.perf_counter()
     cur = _versions(engines, opts.timeout_s)
     stages["versions"] = time.perf_counter() - t1
@@ -237,7 +305,7 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
                     "; ".join(x for e in dead for x in e.errors), raise_on_error, "", [])
     new_version = opts.version if opts.version is not None else max(v or 0 for v in cur.values()) + 1
     o = dataclasses.replace(opts, version=new_version)
-    key = ("fleet",) + tuple(id(e.tgt.front if e.tgt.front is not None else e.tgt) for e in engines)
+    key = ("fleet",) + tuple(_engine_key(e.tgt) for e in engines)
     out_ = api.Outgoing(tgts[0], named_tensors, o, schema, pool=api.pool_for_key(key), fleet=True)
     txid = out_.req["txid"]
     keep_pool = True
@@ -257,7 +325,7 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         req["deadline"] = time.time() + opts.timeout_s
         # ---- phase 1: prepare everywhere
         t1 = time.perf_counter()
-        prep = _run_phase(engines, "prepare", lambda e: C.coordinate_prepare(req), opts.timeout_s)
+        prep = _run_phase(engines, "prepare", lambda e: {"req": req}, opts.timeout_s)
         stages["prepare"] = time.perf_counter() - t1
         for e in engines:
             e.prep = prep.get(e.i)
@@ -265,7 +333,7 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
             keep_pool = False
         if not all(r.get("ok") for r in prep.values()) or any(e.dead for e in engines):
             t1 = time.perf_counter()
-            ab = _run_phase(engines, "abort", lambda e: C.coordinate_abort(txid), opts.timeout_s)
+            ab = _run_phase(engines, "abort", lambda e: {"txid": txid}, opts.timeout_s)
             stages["abort"] = time.perf_counter() - t1
             for e in engines:
                 e.abort = ab.get(e.i)
@@ -277,8 +345,8 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         # ---- phase 2: commit everywhere, every engine keeping its backup until all committed
         t1 = time.perf_counter()
         n = {e.i: len(prep[e.i]["workers_prepare"]) for e in engines}
-        com = _run_phase(engines, "commit", lambda e: C.coordinate_commit(req, n[e.i], keep=True),
-                         opts.timeout_s)
+        creq = {"txid": txid, "version": req.get("version"), "inflight": req.get("inflight")}
+        com = _run_phase(engines, "commit", lambda e: {"req": creq, "n": n[e.i], "keep": True}, opts.timeout_s)
         stages["commit"] = time.perf_counter() - t1
         for e in engines:
             e.commit = com.get(e.i)
@@ -286,12 +354,12 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
             keep_pool = False
         if all(r.get("ok") for r in com.values()) and not any(e.dead for e in engines):
             t1 = time.perf_counter()
-            rel = _run_phase(engines, "release", lambda e: C.coordinate_release(txid), opts.timeout_s)
+            # (each engine's front end takes the update in its release phase, where it lives)
+            rel = _run_phase(engines, "release", lambda e: {"txid": txid, "version": (e.commit or {}).get("version")},
+                             opts.timeout_s)
             stages["release"] = time.perf_counter() - t1
             for e in engines:
                 e.state = "committed"
-                C.finish(e.tgt.front, {**(e.commit or {}), "ok": True, "state": "committed",
-                                      "version": (e.commit or {}).get("version")})
                 if not rel.get(e.i, {}).get("ok"):
                     e.errors.append(f"{e.name}: release after commit failed (its backup is dropped at the next "
                                     "update)")
@@ -303,7 +371,8 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         # ... and the live ones whose commit RPC raised: what they hold is unknown, an abort undoes what they wrote
         done = [e for e in engines if not e.dead and ((e.commit or {}).get("ok")
                                                      or (e.commit or {}).get("state") == "unknown")]
-        ab = _run_phase(done, "abort", lambda e: C.coordinate_abort(txid), opts.timeout_s) if done else {}
+        # (an engine left mixed refuses requests: its front end was told in its commit or abort phase)
+        ab = _run_phase(done, "abort", lambda e: {"txid": txid}, opts.timeout_s) if done else {}
         stages["abort"] = time.perf_counter() - t1
         for e in engines:
             if e.dead:
@@ -313,12 +382,8 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
                 e.state = e.abort.get("state", "unknown") if not e.dead else "unknown"
                 if not (e.commit or {}).get("ok") and "nothing to abort" in str(e.abort.get("workers") or ""):
                     e.state = "unknown"  # its commit raised and left no transaction: what it holds is unknown
-                if e.state == "mixed":
-                    C.finish(e.tgt.front, {**e.abort, "ok": False, "workers_abort": e.abort.get("workers") or []})
             else:
                 e.state = (e.commit or {}).get("state") or "unknown"
-                if e.state == "mixed":
-                    C.finish(e.tgt.front, {**(e.commit or {}), "ok": False})
         state = _fleet_state(engines)
         _align(engines, stages, opts.timeout_s)
         failed = [e for e in engines if not (e.commit or {}).get("ok")]
@@ -353,7 +418,8 @@ def _align(engines: list[_Engine], stages: dict[str, float], timeout_s: float) -
     top = max(known)
     t1 = time.perf_counter()
     lag = [e for e in live if vs.get(e.i) is not None and vs[e.i] < top]
-    calls = _parallel({e.i: (lambda e=e: e.tgt.rpc(ALIGN, (top,), {})) for e in lag}, timeout_s)
+    calls = _parallel({e.i: (lambda e=e: e.drive("align_version", {"version": top}, timeout_s)) for e in lag},
+                      timeout_s)
     for e in lag:
         c = calls[e.i]
         if not c.done.is_set() or c.error is not None:
@@ -430,7 +496,14 @@ def weight_version(target: Any) -> Any:
     :class:`~vllm_rlpatch.refit.protocol.RefitError` if they disagree."""
     if not isinstance(target, (list, tuple)):
         return api.weight_version(target)
-    vs = [resolve(t).version() for t in target]
+    vs = []
+    for i, t in enumerate(target):
+        e = _Engine(i, resolve(t))
+        try:
+            vs.append(e.tgt.version())
+        except Exception as err:  # noqa: BLE001 - which engine could not say, in one line
+            kind = err.kind if isinstance(err, P.RefitError) else "refused"
+            raise P.RefitError(f"{e.name}: weight_version: {_one_line(err)}", kind=kind) from err
     if len(set(vs)) > 1:
         err = P.RefitError("the engines' weight versions disagree: " + ", ".join(f"engine{i}={v}"
                                                                                for i, v in enumerate(vs)),

@@ -8,6 +8,17 @@ client must be on loopback, see ``VLLM_RLPATCH_HTTP_REMOTE``):
     GET  /rlpatch/v1/fingerprint      per-worker fingerprint of every parameter and buffer
     POST /rlpatch/v1/refit            body: the refit request (metadata + transport spec); returns the outcome
 
+The phases of a fleet update (``push_weights([url_a, url_b, ...])``, :mod:`.fleet`), one call each, run by the
+server's coordinator (:func:`~.coordinator.coordinate_phase`); each returns the phase's outcome (an RPC that
+raised: HTTP 500, ``{"error", "kind"}``):
+
+    POST /rlpatch/v1/refit/prepare        {"req": the refit request}: every worker validates and stages
+    POST /rlpatch/v1/refit/commit         {"req": {"txid", "version", "inflight"}, "n": workers, "keep": true}
+    POST /rlpatch/v1/refit/release        {"txid", "version"}: the fleet committed; the backups are dropped
+    POST /rlpatch/v1/refit/abort          {"txid"}: drop a prepared update, or roll a kept commit back
+    POST /rlpatch/v1/refit/align_version  {"version"}: raise every worker's weight version to it
+    GET  /rlpatch/v1/refit/weight_state   {"workers": [{"version", "mixed"}, ...]}
+
 The token is ``VLLM_RLPATCH_HTTP_TOKEN`` if set; otherwise the server generates one and writes it to
 ``~/.cache/vllm-rlpatch/http-token-<port>`` (mode 0600), where a client on the same host finds it.
 Completion and chat-completion responses carry ``rlpatch_weight_versions`` on every choice (spans
@@ -28,7 +39,7 @@ from typing import Any
 
 from vllm_rlpatch import envs
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.coordinator import coordinate_on_async, run_async
+from vllm_rlpatch.refit.coordinator import PHASES, coordinate_on_async, coordinate_phase, rpc_error_to_refit, run_async
 from vllm_rlpatch.refit.target import Target
 
 logger = logging.getLogger("vllm.rlpatch")
@@ -127,14 +138,9 @@ def install_routes(app: Any) -> None:
             return d
         return {"workers": await _engine(request).collective_rpc("rlpatch_fingerprint")}
 
-    @router.post(PREFIX + "/refit")
-    async def refit(request: Request):
-        if (d := _deny(request)) is not None:
-            return d
-        try:
-            req = await request.json()
-        except Exception:
-            return JSONResponse({"error": "the body is not JSON"}, status_code=400)
+    def _bad_request(request: Request, req: Any) -> JSONResponse | None:
+        if not isinstance(req, dict):
+            return JSONResponse({"error": "the refit request is not a JSON object"}, status_code=400)
         kind = (req.get("transport") or {}).get("kind")
         if kind not in ("shm", "dist"):
             return JSONResponse({"error": f"transport {kind!r} is not accepted over HTTP (shm from this host, or "
@@ -145,6 +151,18 @@ def install_routes(app: Any) -> None:
         for key in ("txid", "tensors"):
             if key not in req:
                 return JSONResponse({"error": f"the refit request has no {key!r}"}, status_code=400)
+        return None
+
+    @router.post(PREFIX + "/refit")
+    async def refit(request: Request):
+        if (d := _deny(request)) is not None:
+            return d
+        try:
+            req = await request.json()
+        except Exception:
+            return JSONResponse({"error": "the body is not JSON"}, status_code=400)
+        if (d := _bad_request(request, req)) is not None:
+            return d
         engine = _engine(request)
         out = await coordinate_on_async(engine, req, lambda g: run_async(g, _rpc(engine)))
         if not out.get("ok") and out.get("state") != "mixed":  # (mixed: the front end already says so, louder)
@@ -153,6 +171,52 @@ def install_routes(app: Any) -> None:
                            request.client.host if request.client else "?", out.get("state", "unchanged"),
                            out.get("message"))
         return out
+
+    # the phases of a fleet update (vllm_rlpatch.refit.fleet), one call each
+    need = {"prepare": {"req": dict}, "commit": {"req": dict, "n": int}, "release": {"txid": str},
+            "abort": {"txid": str}, "align_version": {"version": int}}
+
+    async def _run_phase(request: Request, phase: str, args: dict[str, Any]):
+        engine = _engine(request)
+        try:
+            out = await run_async(coordinate_phase(engine, phase, args), _rpc(engine))
+        except Exception as e:  # noqa: BLE001 - an RPC raised (dead worker, ...): the client's error, one line
+            err = e if isinstance(e, P.RefitError) else rpc_error_to_refit(e, f"refit {phase}")
+            return JSONResponse({"error": (str(err).splitlines() or [""])[0], "kind": err.kind}, status_code=500)
+        if phase in ("prepare", "commit", "abort") and not out.get("ok"):
+            logger.warning("vllm-rlpatch: fleet update %s: %s from %s failed (weights %s): %s",
+                           (args.get("req") or args).get("txid"), phase,
+                           request.client.host if request.client else "?", out.get("state"), out.get("message"))
+        return out
+
+    @router.get(PREFIX + "/refit/weight_state")
+    async def refit_weight_state(request: Request):
+        if (d := _deny(request)) is not None:
+            return d
+        return await _run_phase(request, "weight_state", {})
+
+    @router.post(PREFIX + "/refit/{phase}")
+    async def refit_phase(phase: str, request: Request):
+        if (d := _deny(request)) is not None:
+            return d
+        if phase not in need:
+            return JSONResponse({"error": f"no refit phase {phase!r}: POST one of {', '.join(need)} (GET "
+                                          "weight_state)"}, status_code=404 if phase not in PHASES else 405)
+        try:
+            args = await request.json()
+        except Exception:
+            return JSONResponse({"error": "the body is not JSON"}, status_code=400)
+        if not isinstance(args, dict):
+            return JSONResponse({"error": "the body is not a JSON object"}, status_code=400)
+        for key, typ in need[phase].items():
+            if not isinstance(args.get(key), typ) or isinstance(args.get(key), bool):
+                return JSONResponse({"error": f"refit/{phase}: the body needs {key!r} ({typ.__name__})"},
+                                    status_code=400)
+        if phase == "prepare" and (d := _bad_request(request, args["req"])) is not None:
+            return d
+        if phase == "commit" and not isinstance(args["req"].get("txid"), str):
+            return JSONResponse({"error": "refit/commit: the request has no 'txid'"}, status_code=400)
+        return await _run_phase(request, phase, args)
 
     app.include_router(router)
     app.state.rlpatch_routes = True
@@ -205,27 +269,48 @@ class HttpTarget(Target):
             return False
         return bool(addrs & local)
 
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
+    def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + PREFIX + path, data=data, method=method,
                                      headers={"Authorization": f"Bearer {self.token()}",
                                               "Content-Type": "application/json"})
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as e:
+            got: dict[str, Any] = {}
             try:
-                detail = json.loads(e.read()).get("error")
+                body_ = json.loads(e.read())
+                got = body_ if isinstance(body_, dict) else {}
+                detail = got.get("error")
             except Exception:
                 detail = e.reason
-            kind = "refused" if e.code in (401, 403) else "validation"
-            if e.code == 404:
+            kind = "refused" if e.code in (401, 403) else (got.get("kind") or "validation")
+            if e.code == 404 and path.startswith("/refit/") and not got.get("error"):
+                detail = (f"{self.url} has no {PREFIX}{path} route: the server's vllm-rlpatch predates fleet "
+                          "updates (upgrade it there), does not run, or VLLM_RLPATCH_REFIT_HTTP=0")
+                kind = "refused"
+            elif e.code == 404 and not got.get("error"):
                 detail = (f"{self.url} has no {PREFIX} routes: the server does not run vllm-rlpatch (or "
                           "VLLM_RLPATCH_REFIT_HTTP=0)")
                 kind = "refused"
             raise P.RefitError(f"{method} {PREFIX}{path}: HTTP {e.code}: {detail}", kind=kind) from None
         except urllib.error.URLError as e:
-            raise P.RefitError(f"{self.url}: {e.reason}", kind="transport") from None
+            if isinstance(e.reason, TimeoutError):
+                raise P.RefitError(f"{self.url}: no answer within {timeout:.1f} s", kind="transport") from None
+            raise P.RefitError(f"{self.url} is unreachable: {e.reason}", kind="transport") from None
+        except TimeoutError:  # (socket.timeout) connected, but the answer did not come in time
+            raise P.RefitError(f"{self.url}: no answer within {timeout:.1f} s", kind="transport") from None
+        except (ConnectionError, OSError) as e:  # the server went away mid-answer
+            raise P.RefitError(f"{self.url} is unreachable: {type(e).__name__}: {e}", kind="transport") from None
+
+    def phase(self, phase: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """One phase of a fleet update as one call to the server (``/rlpatch/v1/refit/<phase>``), run by its
+        coordinator."""
+        if phase == "weight_state":
+            return self._call("GET", "/refit/weight_state", timeout_s=timeout_s)
+        return self._call("POST", f"/refit/{phase}", args, timeout_s=timeout_s)
 
     def describe(self) -> list[dict[str, Any]]:
         return self._call("GET", "/describe")["workers"]

@@ -5,6 +5,12 @@
 attributes (or the one named by ``engine_attr``) and drives the worker RPCs there. The bytes go through
 ``shm`` when the actor is on the caller's node, ``dist`` otherwise.
 
+In a fleet (``push_weights([handle_a, handle_b, llm], ...)``, :mod:`.fleet`) each phase of the update (prepare,
+commit keeping the backup, release, abort, weight_state, align_version) is one such call
+(:meth:`RayTarget.phase`): the actor's coordinator drives its engine's workers, and the engine's front end (in
+the actor) takes the outcome. A dead actor is an error naming it; one that does not answer within the fleet's
+``timeout_s`` is declared dead.
+
 The functions below are pickled by reference (``vllm_rlpatch.refit.ray._in_actor_*``): if vllm-rlpatch is
 not importable in the actor's environment, Ray cannot even load them and the call fails; that is turned
 into a :class:`RefitError` saying so, as is an engine whose workers do not run the plugin.
@@ -45,6 +51,12 @@ def _in_actor_run(actor: Any, attr: str | None, req: dict[str, Any]) -> dict[str
     return local_target(_find_engine(actor, attr)).run(req)
 
 
+def _in_actor_phase(actor: Any, attr: str | None, phase: str, args: dict[str, Any]) -> dict[str, Any]:
+    """One phase of a fleet update, inside the actor: its coordinator drives its engine's workers, and the
+    engine's front end (in the actor) takes the outcome (a mixed state refuses requests there)."""
+    return local_target(_find_engine(actor, attr)).phase(phase, args)
+
+
 def _in_actor_call(actor: Any, attr: str | None, method: str) -> list:
     return local_target(_find_engine(actor, attr)).call(method)
 
@@ -62,11 +74,29 @@ class RayTarget(Target):
         self.front = None
         self._node: str | None = None
 
-    def _call(self, fn, *args):
+    @property
+    def label(self) -> str:
+        """How a fleet names this engine: the actor's class and id."""
+        try:
+            aid = self.handle._actor_id.hex()[:12]
+        except Exception:  # noqa: BLE001 - Ray internals; the name is only a label
+            aid = "?"
+        cls = getattr(getattr(self.handle, "_ray_actor_creation_function_descriptor", None), "class_name", None)
+        cls = cls.rsplit(".", 1)[-1] if cls else None  # (a class defined in a function: "main.<locals>.Host")
+        return f"Ray actor {cls + ' ' if cls else ''}{aid}"
+
+    def key(self) -> Any:
+        """One per actor (two handles of one actor are the same engine)."""
+        try:
+            return ("ray", self.handle._actor_id.hex())
+        except Exception:  # noqa: BLE001
+            return ("ray", id(self.handle))
+
+    def _call(self, fn, *args, timeout_s: float | None = None):
         import ray
 
         try:
-            return ray.get(self.handle.__ray_call__.remote(fn, self.attr, *args))
+            return ray.get(self.handle.__ray_call__.remote(fn, self.attr, *args), timeout=timeout_s)
         except P.RefitError:
             raise
         except Exception as e:  # noqa: BLE001 - Ray wraps what happened in the actor
@@ -81,6 +111,11 @@ class RayTarget(Target):
             if "RefitError" in text:
                 line = next((ln for ln in str(e).splitlines() if "RefitError" in ln), text)
                 raise P.RefitError(line.split("RefitError: ", 1)[-1], kind="refused") from e
+            if type(e).__name__ == "GetTimeoutError":
+                raise P.RefitError(f"{self.label}: no answer within {timeout_s:.1f} s", kind="transport") from e
+            if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
+                first = (text.splitlines() or [text])[0]
+                raise P.RefitError(f"{self.label} is dead or unreachable: {first}", kind="transport") from e
             raise P.RefitError(f"Ray actor call failed: {text.splitlines()[0]}", kind="commit") from e
 
     def describe(self) -> list[dict[str, Any]]:
@@ -101,6 +136,10 @@ class RayTarget(Target):
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
         return self._call(_in_actor_run, req)
+
+    def phase(self, phase: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """One phase of a fleet update as one Ray call (``__ray_call__``), run by the actor's coordinator."""
+        return self._call(_in_actor_phase, phase, args, timeout_s=timeout_s)
 
     def version(self) -> int:
         return int(self._call(_in_actor_version))

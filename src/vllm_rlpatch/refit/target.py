@@ -2,7 +2,8 @@
 
 :class:`Target` is public: ``kind``, ``front`` (the engine object whose requests a mixed-weights state
 refuses, or None in another process), ``same_host()``, ``describe()`` (the workers' schemas), ``run(req)`` (the
-coordinator of one update, where the engine lives), ``call(method)`` and ``version()``. :func:`resolve`
+coordinator of one update, where the engine lives), ``phase(name, args)`` (one phase of a fleet update, where
+the engine lives), ``call(method)`` and ``version()``. :func:`resolve`
 turns what a user passes (a ``vllm.LLM``, an ``AsyncLLM``, a Ray actor handle, ``"http://host:port"``) into
 one; :class:`HttpTarget` (:mod:`.http`) and :class:`RayTarget` (:mod:`.ray`) live with their transports.
 """
@@ -13,7 +14,8 @@ import asyncio
 from typing import Any
 
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.coordinator import coordinate_on, coordinate_on_async, rpc_error_to_refit, run_async, run_sync
+from vllm_rlpatch.refit.coordinator import (coordinate_on, coordinate_on_async, coordinate_phase, rpc_error_to_refit,
+                                            run_async, run_sync)
 
 
 class Target:
@@ -40,6 +42,12 @@ class Target:
     def rpc(self, method: str, args: tuple, kwargs: dict) -> list:
         """A worker RPC that returns one result per worker (sessions drive the workers through it)."""
         raise P.RefitError(f"a {self.kind} target does not take raw worker RPCs in this process", kind="validation")
+
+    def phase(self, phase: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """One phase of a fleet update (:func:`~.coordinator.coordinate_phase`) where the engine lives: here,
+        through :meth:`rpc`; a Ray actor or ``vllm serve`` run it there (one call each). ``timeout_s``: how long
+        a remote call may take (an in-process one is bounded by the fleet's thread wait)."""
+        return run_sync(coordinate_phase(self.front, phase, args), self.rpc)
 
 
 class LocalTarget(Target):
@@ -113,6 +121,9 @@ class AsyncTarget(Target):
 
     def describe(self) -> list[dict[str, Any]]:
         return self.sync(self.describe_async())
+
+    def phase(self, phase: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        return self.sync(run_async(coordinate_phase(self.front, phase, args), self.rpc_async))
 
     async def describe_async(self) -> list[dict[str, Any]]:
         try:
