@@ -169,8 +169,10 @@ def test_a_worker_refuses_to_commit_after_the_deadline():
     a, b = FakeEngine(hang="rlpatch_refit_prepare", hang_s=0.6), FakeEngine()
     rep = push([a, b], timeout_s=0.5 + 0.3, raise_on_error=False)  # prepare answers at 0.6 s, deadline 0.8 s
     # a's prepare answered in time, but by commit the deadline may be close: either all committed or a's
-    # commit was fenced (refused, unchanged) and b rolled back; never a mix
-    assert rep.state in ("committed", "restored"), rep
+    # commit was fenced (refused, unchanged) and b rolled back; on a loaded host a's prepare may even miss the
+    # deadline (both unchanged). Never a mix, and never a state without its engines agreeing.
+    assert rep.state in ("committed", "restored", "unchanged"), rep
+    assert rep.state != "committed" or all(e["state"] == "committed" for e in rep.engines), rep
     a2, b2 = FakeEngine(hang="rlpatch_refit_commit", hang_s=0.0), FakeEngine()
     a2.txs_deadline_shift = True
     orig = a2.commit

@@ -199,6 +199,26 @@ def test_on_the_trainers_own_logits_without_it(run, trainer_logits):
         assert float(err[edge].max()) <= 1.1  # the swap puts them where the engine had them
 
 
-def test_zz_timing(run):
-    r = run["result"]
-    print({k: r[k] for k in ("startup_s", "requests_s", "extra_s", "captured_rows")})
+def test_with_the_toggle_off_no_sampler_or_runner_hook_is_installed():
+    """``VLLM_RLPATCH_SAMPLING_SUPPORT=0``: the plugin registers as a worker would, vLLM's sampler and runner are
+    imported, and none of the patch's targets is wrapped (on: all of them are, on the V1-runner versions)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from vllm_rlpatch import plugin, _wrapping\n"
+        "from vllm_rlpatch.patches import sampling_support as S\n"
+        "plugin.register_as('worker')\n"
+        "import vllm.v1.sample.sampler, vllm.v1.worker.gpu_model_runner\n"
+        "ts = [S.T_SAMPLE_TOKENS, S.T_ASYNC_OUTPUT, S.T_SAMPLE, S.T_TEMPERATURE]\n"
+        "print(json.dumps({t: _wrapping.is_wrapped(t) for t in ts}))\n")
+    out = {}
+    for flag in ("0", "1"):
+        env = {**os.environ, "VLLM_RLPATCH_SAMPLING_SUPPORT": flag}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[flag] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not any(out["0"].values()), out["0"]
+    assert all(out["1"].values()), out["1"]
