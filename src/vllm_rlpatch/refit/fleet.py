@@ -214,10 +214,6 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
     tgts = [resolve(t) for t in targets]
     _check_targets(tgts)
     engines = [_Engine(i, t) for i, t in enumerate(tgts)]
-    if opts.transport == "dist":
-        raise P.RefitError("transport='dist' to several engines is not supported yet (one broadcast group spanning "
-                           "every engine's workers): use 'shm' (same host) or push to each engine on its own",
-                           kind="validation")
     stages: dict[str, float] = {}
     # schemas: every engine must expect the same tensors
     schema = api.schema_for(tgts[0])
@@ -243,9 +239,12 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
     keep_pool = True
     try:
         if out_.transport == "dist":
-            raise P.RefitError("transport 'dist' to several engines is not supported yet: use 'shm' or push to each "
-                               "engine on its own", kind="validation")
-        out_.send(n_workers=workers[0])
+            bases = _dist_rank_bases(engines, workers)
+            # the group's timeout ends before the phase's: a rank that never joins (a hung engine) turns into a
+            # transport error on the others, and the hung engine is named when the phase times out
+            out_.send(n_workers=sum(workers), group_timeout_s=_dist_group_timeout(opts.timeout_s))
+        else:
+            out_.send(n_workers=workers[0])
         stages.update(out_.stages)
         if out_.refused is not None:
             for e in engines:
@@ -255,10 +254,17 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         req = dict(out_.req)
         req["workers"] = None  # never the one-RPC path: a fleet prepares everywhere before it writes anywhere
         req["deadline"] = time.time() + opts.timeout_s
-        # ---- phase 1: prepare everywhere
+        # one request per engine; with dist they differ only in the rank offset of the engine's workers
+        reqs = {e.i: _dist_request(req, bases[e.i]) if out_.transport == "dist" else req for e in engines}
+        # ---- phase 1: prepare everywhere (with dist: every engine's workers receive the one broadcast here)
         t1 = time.perf_counter()
-        prep = _run_phase(engines, "prepare", lambda e: C.coordinate_prepare(req), opts.timeout_s)
+        prep = _run_phase(engines, "prepare", lambda e: C.coordinate_prepare(reqs[e.i]), opts.timeout_s)
         stages["prepare"] = time.perf_counter() - t1
+        if out_.transport == "dist":
+            good = all(r.get("ok") for r in prep.values()) and not any(e.dead for e in engines)
+            out_.finish_send(timeout=10.0 if good else 0.0)
+            if "send" in out_.stages:
+                stages["send"] = out_.stages["send"]
         for e in engines:
             e.prep = prep.get(e.i)
         if any(e.dead for e in engines):
@@ -295,7 +301,8 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
                 if not rel.get(e.i, {}).get("ok"):
                     e.errors.append(f"{e.name}: release after commit failed (its backup is dropped at the next "
                                     "update)")
-            out_.finish_send()
+            if out_.transport != "dist":
+                out_.finish_send()
             return _end(engines, new_version, cur, stages, t0, o, "committed", "", raise_on_error, txid,
                         out_.metas, None, transport=out_.transport)
         # one engine failed to commit: roll back the ones that committed
@@ -329,6 +336,30 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         if out_.sender is not None and not keep_pool:
             api.drop_pool(key)  # an engine declared dead may still read them: the next update packs anew
         out_.close()
+
+
+def _dist_rank_bases(engines: list[_Engine], workers: list[int | None]) -> dict[int, int]:
+    """``dist`` across a fleet: one group, the trainer rank 0, then each engine's workers in the order given
+    (world = 1 + every engine's worker count); an engine's worker of rank r is rank ``base + r``."""
+    bases, base = {}, 1
+    for e, n in zip(engines, workers):
+        if not n:
+            raise P.RefitError(f"{e.name}: its worker count is unknown, so its ranks in the fleet's broadcast group "
+                               "cannot be placed: use transport='shm'", kind="validation")
+        bases[e.i], base = base, base + int(n)
+    return bases
+
+
+def _dist_group_timeout(timeout_s: float) -> float:
+    """The fleet's broadcast group times out before the phase does (``timeout_s``): the ranks that joined get a
+    transport error in time to answer, the one that never joined is the engine named for no answer."""
+    return max(1.0, 0.75 * timeout_s)
+
+
+def _dist_request(req: dict[str, Any], base: int) -> dict[str, Any]:
+    """The request one engine of a ``dist`` fleet gets: the shared one with its workers' rank offset, received
+    in prepare (never streamed into the weights in commit, where a refusal would leave the others waiting)."""
+    return {**req, "transport": {**req["transport"], "rank_base": base, "stream": False}}
 
 
 def _kind(results: dict[int, dict[str, Any]]) -> str:
@@ -389,7 +420,7 @@ def _end(engines: list[_Engine], new_version, cur, stages, t0, opts: api.Options
                       tensors=len(metas or []), seconds=time.perf_counter() - t0, stages=stages, engines=entries,
                       slowest=slow["name"] if slow else None, slowest_seconds=slow["seconds"] if slow else 0.0,
                       txid=txid, message=message,
-                      buckets=len({m.segment for m in metas}) if metas and transport == "shm" else 0)
+                      buckets=len({m.segment for m in metas}) if metas and transport in ("shm", "dist") else 0)
     if not rep.ok and raise_on_error:
         raise P.RefitError(f"fleet weight update not applied ({state}): {message}",
                            kind=(refused or {}).get("kind", kind), state=state,
