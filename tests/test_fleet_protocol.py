@@ -1,6 +1,7 @@
 """The fleet update's two phases (vllm_rlpatch.refit.fleet) against scripted engines (no vLLM): who is
 aborted when, what the report says, fencing by deadline, a hung engine named within timeout_s, the bytes
-packed once; with ``dist``, one real gloo broadcast group spanning every scripted engine's workers (threads). The same code on real vLLM engines: tests/test_fleet.py."""
+packed once; with ``dist``, one real gloo broadcast group spanning every scripted engine's workers
+(threads). The same code on real vLLM engines: tests/test_fleet.py."""
 
 import threading
 import time

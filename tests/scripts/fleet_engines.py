@@ -5,8 +5,9 @@ list); prints `RESULT {...}`.
 
 Steps (each recorded under its name): a good update, a refusal in one engine's prepare, a failure after the
 first write in one engine at `rollback` and at `validate-then-write`, a good update after that, the same
-over `dist` (a good update, a refusal in one engine's prepare, a good update back), and last an engine killed (SIGKILL of its engine-core process) before an update. Run with VLLM_RLPATCH_FAULT_INJECTION=1
-and the test's worker extension (snapshots) on PYTHONPATH.
+over `dist` (a good update, a refusal in one engine's prepare, a good update back), and last an engine
+killed (SIGKILL of its engine-core process) before an update. Run with VLLM_RLPATCH_FAULT_INJECTION=1 and the
+test's worker extension (snapshots) on PYTHONPATH.
 """
 
 import json

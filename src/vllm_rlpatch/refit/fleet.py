@@ -11,12 +11,21 @@ A fleet update:
 2. **The bytes, once.** The sender (:class:`~vllm_rlpatch.refit.api.Outgoing`) checks the metadata against the
    schema (every engine must have the same one), then packs and digests the tensors **once**: for ``shm`` into
    one set of shared-memory segments that every engine's workers map; for ``cuda_ipc`` one set of handles that
-   every engine opens. A NaN is refused here, before any engine is asked anything.
+   every engine opens; for ``dist`` one broadcast process group spanning the trainer (rank 0) and every
+   engine's workers (gloo on CPU, NCCL on GPU; world = 1 + every engine's worker count), the buckets broadcast
+   once for the whole fleet. Each engine's request then differs only in its workers' rank offset
+   (``rank_base``: 1 + the worker counts of the engines before it). A NaN is refused here, before any engine is
+   asked anything.
 3. **Prepare** (:func:`~.coordinator.coordinate_prepare`) on every engine at once, one thread per engine: each
-   engine's workers validate and stage; nothing is written. The request carries the transaction id and a
-   deadline (now + ``timeout_s``, wall clock): a worker refuses to commit after it, or after an abort of that
-   id. Any refusal, failure, or an engine that has not answered by the deadline: every engine that answered is
-   aborted (:func:`~.coordinator.coordinate_abort`) and keeps its old weights (``state="unchanged"``).
+   engine's workers validate and stage; nothing is written. With ``dist`` every worker receives the broadcast
+   here, all engines at once (``stream`` False: never in commit, even for ``mode="direct"``); a worker that
+   refuses still drains the broadcast (:meth:`~.dist.DistSource.drain`) so no other rank waits for it; the
+   group's timeout (0.75 x ``timeout_s``) ends before the phase's, so the ranks that joined answer with a
+   transport error while an engine that never joined is named as hung. The request carries the transaction id
+   and a deadline (now + ``timeout_s``, wall clock): a worker refuses to commit after it, or after an abort of
+   that id. Any refusal, failure, or an engine that has not answered by the deadline: every engine that
+   answered is aborted (:func:`~.coordinator.coordinate_abort`) and keeps its old weights
+   (``state="unchanged"``).
 4. **Commit** (:func:`~.coordinator.coordinate_commit` with ``keep``) on every engine: each writes and keeps its
    backup. All committed: every engine releases its backup (``committed``). One failed (or did not answer in
    time): every engine that committed is aborted, which rolls it back from its backup (``restored``; the
@@ -35,8 +44,8 @@ The segments of an update are reused by the fleet's next update only after every
 declared dead) - which is when this call returns.
 
 Not here (yet): Ray handles and URLs in a fleet (their targets run the whole transaction in one call, the
-prepare/commit split is not exposed over Ray or HTTP), ``dist`` to several engines (one broadcast group spanning
-every engine's workers), several trainer ranks sending shards (one sender: the caller).
+prepare/commit split is not exposed over Ray or HTTP), several trainer ranks sending shards (one sender: the
+caller). ``dist`` across engines ran with gloo only; the NCCL branch with several receivers is unrun.
 """
 
 from __future__ import annotations
