@@ -275,8 +275,8 @@ class DistEngine(FakeEngine):
                 src.receive_all()
                 self.received[w] = {m.name: t.clone() for m, t in src.tensors()}
                 return {"ok": True, "state": "unchanged"}
-            except Exception as e:  # noqa: BLE001 - what the real worker reports
-                return {"ok": False, "state": "unchanged", "kind": "transport", "message": f"{type(e).__name__}: {e}"}
+            except P.RefitError as e:  # what the real worker reports
+                return {"ok": False, "state": "unchanged", "kind": e.kind, "message": str(e)}
             finally:
                 src.close()
 
@@ -323,6 +323,7 @@ def test_dist_a_refusing_worker_still_takes_part_and_nothing_is_written():
     assert took < 10.0, took  # the group times out after 45 s
     assert rep.state == "unchanged" and [e["state"] for e in rep.engines] == ["unchanged", "unchanged"], rep
     assert "engine1 prepare" in rep.message and "aborted" in rep.message and "\n" not in rep.message
+    assert "never joined" not in rep.message  # it refused, but it took part
     assert len(a.received) == 1 and len(b.received) == 1  # both receivers got the whole update
     assert "drain" in b.results[1]["stages"], b.results[1]
     assert a.calls[-1] == b.calls[-1] == "rlpatch_refit_abort"
@@ -338,7 +339,10 @@ def test_dist_a_hung_engine_is_named_within_timeout_s_and_the_others_get_an_erro
     assert took < 5.0, took
     msg = str(ei.value)
     assert "engine1: no answer to prepare within 2.0 s" in msg and "\n" not in msg, msg
+    assert msg.endswith("never joined the broadcast group: engine1 (1 worker)"), msg
     rep = ei.value.report
+    assert "engine0 prepare: dist transport: the broadcast group did not form within 1.5 s" in \
+        rep.engines[0]["errors"][0], rep.engines[0]
     assert rep.engines[1]["dead"] and not rep.engines[0]["dead"], rep.engines
     assert rep.engines[0]["state"] == "unchanged" and a.calls[-1] == "rlpatch_refit_abort"
     assert "rlpatch_refit_commit" not in a.calls

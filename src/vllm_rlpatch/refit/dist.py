@@ -30,6 +30,10 @@ from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.source import Source
 
 
+def joined_key(txid: str, rank: int) -> str:
+    return f"rlpatch-joined/{txid}/{rank}"
+
+
 def broadcast_opts(root: int = 0):
     import torch.distributed as dist
 
@@ -116,6 +120,13 @@ class DistSender:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def missing_ranks(self) -> list[int]:
+        """The receivers' ranks that never joined this update's group (each marks itself before it joins)."""
+        try:
+            return [r for r in range(1, self.world) if not self.store.check([joined_key(self.txid, r)])]
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to say
+            return []
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -143,12 +154,22 @@ class DistSource(Source):
         s = self.spec
         self.opened = True
         timeout = datetime.timedelta(seconds=float(s.get("timeout_s", 120)))
-        store = dist.TCPStore(s["host"], int(s["port"]), int(s["world_size"]), is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"rlpatch/{s['txid']}", store)
-        if s.get("backend", "gloo") == "nccl":
-            self.pg = dist.ProcessGroupNCCL(store, self.rank, int(s["world_size"]), dist.ProcessGroupNCCL.Options())
-        else:
-            self.pg = dist.ProcessGroupGloo(store, self.rank, int(s["world_size"]), timeout)
+        try:
+            raw = dist.TCPStore(s["host"], int(s["port"]), int(s["world_size"]), is_master=False, timeout=timeout)
+            raw.set(joined_key(s["txid"], self.rank), "1")  # the sender can name the ranks that never joined
+            store = dist.PrefixStore(f"rlpatch/{s['txid']}", raw)
+            if s.get("backend", "gloo") == "nccl":
+                self.pg = dist.ProcessGroupNCCL(store, self.rank, int(s["world_size"]),
+                                                dist.ProcessGroupNCCL.Options())
+            else:
+                self.pg = dist.ProcessGroupGloo(store, self.rank, int(s["world_size"]), timeout)
+        except Exception as e:
+            self.failed = True
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise P.RefitError(f"dist transport: the broadcast group did not form within {timeout.total_seconds():.1f} "
+                               f"s (rank {self.rank} of {s['world_size']}; {type(e).__name__}: {first}): another "
+                               "rank never joined (a hung engine or worker) or the sender died",
+                               kind="transport") from e
 
     def _receive(self, seg: int) -> torch.Tensor:
         size = int(self.spec["segments"][seg])

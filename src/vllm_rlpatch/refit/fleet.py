@@ -286,8 +286,9 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
                 e.abort = ab.get(e.i)
                 e.state = "unknown" if e.dead else (e.abort or {}).get("state", "unchanged")
             bad = [e for e in engines if e.errors]
+            absent = _dist_absent(out_, engines, bases) if out_.transport == "dist" else ""
             return _end(engines, new_version, cur, stages, t0, o, _fleet_state(engines),
-                        "prepare failed on " + "; ".join(x for e in bad for x in e.errors[:1]),
+                        "prepare failed on " + "; ".join(x for e in bad for x in e.errors[:1]) + absent,
                         raise_on_error, txid, out_.metas, None, transport=out_.transport, kind=_kind(prep))
         # ---- phase 2: commit everywhere, every engine keeping its backup until all committed
         t1 = time.perf_counter()
@@ -369,6 +370,23 @@ def _dist_request(req: dict[str, Any], base: int) -> dict[str, Any]:
     """The request one engine of a ``dist`` fleet gets: the shared one with its workers' rank offset, received
     in prepare (never streamed into the weights in commit, where a refusal would leave the others waiting)."""
     return {**req, "transport": {**req["transport"], "rank_base": base, "stream": False}}
+
+
+def _dist_absent(out_: api.Outgoing, engines: list[_Engine], bases: dict[int, int]) -> str:
+    """After a failed prepare: the engines with a worker that never joined the broadcast group (why the others'
+    group timed out), as a message suffix."""
+    missing = set(getattr(out_.sender, "missing_ranks", lambda: [])())
+    names = []
+    for e in engines:
+        n = len([r for r in missing if bases[e.i] <= r < bases[e.i] + _n_workers(bases, e.i, out_)])
+        if n:
+            names.append(f"{e.name} ({n} worker{'s' if n > 1 else ''})")
+    return f"; never joined the broadcast group: {', '.join(names)}" if names else ""
+
+
+def _n_workers(bases: dict[int, int], i: int, out_: api.Outgoing) -> int:
+    later = [b for j, b in bases.items() if b > bases[i]]
+    return (min(later) if later else out_.sender.world) - bases[i]
 
 
 def _kind(results: dict[int, dict[str, Any]]) -> str:
