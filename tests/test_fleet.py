@@ -1,7 +1,8 @@
 """A fleet update (vllm_rlpatch.refit.push_weights with a list) on two real vLLM engines in one process
 (tests/scripts/fleet_engines.py, one run shared by the tests): a good update, a refusal in one engine's
 prepare, a failure after one engine's first write at `rollback` and at `validate-then-write`, versions that
-agree, and an engine killed before an update. The protocol's corners (a hung engine, the deadline) are in
+agree, a good update and a refusal over `dist` (one broadcast group spanning both engines' workers), and an
+engine killed before an update. The protocol's corners (a hung engine, the deadline) are in
 tests/test_fleet_protocol.py."""
 
 import json
@@ -123,6 +124,47 @@ def test_the_same_failure_without_backups_leaves_the_fleet_mixed_until_a_good_up
     assert _vs_reference(ga, run["weights"]["C"])["token_mult_prob_error"] <= 1.02
 
 
+def test_dist_one_broadcast_to_both_engines_lands_the_update_on_both(run):
+    """transport='dist' to the fleet: one gloo group (trainer rank 0, engine0's worker rank 1, engine1's rank 2),
+    the buckets broadcast once; both engines then hold exactly what a fresh load of B gives."""
+    s = run["steps"]
+    r = s["dist_B"]
+    assert r["ok"], r
+    rep = r["report"]
+    v = s["v_C"]["versions"][0] + 1
+    assert rep["state"] == "committed" and rep["transport"] == "dist" and rep["versions"] == [v, v], rep
+    assert rep["buckets"] >= 1 and {"fingerprint", "send", "prepare", "commit"} <= set(rep["stages"]), rep["stages"]
+    assert all(e["stages"].get("worker_receive", 0) > 0 for e in rep["engines"]), rep["engines"]
+    assert s["v_dist_B"] == {"versions": [v, v]}
+    fa, fb = s["fp_dist_B"]
+    assert fa == fb == s["fp_B"][0]  # bit-identical to B pushed over shm (itself checked against a fresh load)
+    ga, gb = s["g_dist_B"]
+    assert _tokens(ga) == _tokens(gb) == _tokens(s["g_B"][0]) and _lps(ga) == _lps(gb)
+    assert _vs_reference(ga, run["weights"]["B"])["token_mult_prob_error"] <= 1.02
+    r = s["dist_C"]
+    assert r["ok"] and s["v_dist_C"] == {"versions": [v + 1, v + 1]}, (r, s["v_dist_C"])
+    assert s["fp_dist_C"][0] == s["fp_dist_C"][1] == s["fp_C"][0]
+
+
+def test_dist_a_refusal_in_one_engines_prepare_changes_neither_and_does_not_wait_for_the_group(run):
+    """engine1's worker refuses before it joined the broadcast group: it still drains the broadcast, so
+    engine0's worker receives every bucket and the fleet aborts both at once, not after the group's 45 s."""
+    s = run["steps"]
+    assert s["arm_dist_prepare"]["ok"], s["arm_dist_prepare"]
+    r = s["dist_refused"]
+    assert (r["ok"], r["kind"], r["state"]) == (False, "fault", "unchanged"), r
+    assert "engine1" in r["message"] and "prepare" in r["message"] and "\n" not in r["message"]
+    assert r["seconds"] < 30.0, r["seconds"]
+    assert [e["state"] for e in r["report"]["engines"]] == ["unchanged", "unchanged"]
+    assert r["report"]["engines"][0]["stages"].get("worker_receive", 0) > 0  # engine0 got the whole update
+    for e in s["eq_dist_refused"]:
+        assert e["equal"], e  # torch.equal with the snapshot taken after the dist update of B
+    for g in s["g_dist_refused"]:
+        assert _tokens(g) == _tokens(s["g_dist_B"][0])
+    v = s["v_dist_B"]["versions"][0]
+    assert s["v_dist_refused"] == {"versions": [v, v]}
+
+
 def test_an_engine_killed_mid_update_is_an_error_naming_it_and_the_survivor_rolls_back(run):
     """engine1's worker is killed (SIGKILL) after every engine prepared, as the commits go out: engine0 has
     committed and is rolled back from its backup; engine1's state is unknown (dead), and so is the fleet's."""
@@ -136,6 +178,6 @@ def test_an_engine_killed_mid_update_is_an_error_naming_it_and_the_survivor_roll
     e0, e1 = r["report"]["engines"]
     assert e1["dead"] and e1["state"] == "unknown" and e1["errors"], e1
     assert e0["state"] == "restored" and not e0["dead"], e0
-    assert e0["version"] == s["v_C"]["versions"][0] + 2  # committed, then rolled back
+    assert e0["version"] == s["v_dist_C"]["versions"][0] + 2  # committed, then rolled back
     assert s["survivor_eq"]["equal"], s["survivor_eq"]
     assert _tokens(s["survivor_gen"]) == _tokens(s["g_C"][0])

@@ -1,6 +1,7 @@
 """The fleet update's two phases (vllm_rlpatch.refit.fleet) against scripted engines (no vLLM): who is
 aborted when, what the report says, fencing by deadline, a hung engine named within timeout_s, the bytes
-packed once. The same code on real vLLM engines: tests/test_fleet.py."""
+packed once; with ``dist``, one real gloo broadcast group spanning every scripted engine's workers
+(threads). The same code on real vLLM engines: tests/test_fleet.py."""
 
 import threading
 import time
@@ -205,8 +206,6 @@ def test_a_fleet_refuses_what_it_cannot_do_yet():
     a = FakeEngine()
     with pytest.raises(RefitError, match="list each engine once"):
         push([a, a])
-    with pytest.raises(RefitError, match="dist"):
-        fleet.push_weights([FakeEngine(), FakeEngine()], TENSORS, transport="dist")
     b = FakeEngine()
     b.weights_version = 5
     with pytest.raises(RefitError, match="disagree"):
@@ -233,3 +232,119 @@ def test_the_worker_fences_a_late_or_aborted_commit():
     assert (r["ok"], r["kind"]) == (False, "refused") and "aborted" in r["message"]
     r = wr.prepare({"txid": "gone"})
     assert (r["ok"], r["kind"]) == (False, "refused") and "aborted" in r["message"]
+
+
+# ------------------------------------------------------------------------------------------ dist: one broadcast group
+class _Worker:
+    """What transaction.WorkerRefit reads of a worker on its refusal path: its rank and device."""
+
+    def __init__(self, rank):
+        self.rank, self.device = rank, torch.device("cpu")
+
+
+class DistEngine(FakeEngine):
+    """An engine of ``n`` workers that receive the fleet's broadcast for real: each worker (a thread) joins the
+    gloo group as rank ``rank_base`` + its rank and receives every bucket. ``refuse_worker``: that worker refuses
+    the update through the real worker code (transaction.WorkerRefit: an aborted id), which must still take part
+    in the broadcast."""
+
+    def __init__(self, n=1, refuse_worker=None, **kw):
+        super().__init__(**kw)
+        self.n, self.refuse_worker = n, refuse_worker
+        self.workers = [_Worker(r) for r in range(n)]
+        self.ranks, self.received, self.results = [], {}, []
+
+    def describe(self):
+        return [{"schema": SCHEMA.as_dict()}] * self.n
+
+    def prepare(self, req, inflight=None):
+        from vllm_rlpatch.refit import transaction as T
+        from vllm_rlpatch.refit.dist import DistSource
+
+        tr = req["transport"]
+        assert tr["kind"] == "dist" and tr["stream"] is False
+
+        def one(w):
+            rank = tr["rank_base"] + w
+            self.ranks.append(rank)
+            if w == self.refuse_worker:
+                wr = T.WorkerRefit(self.workers[w])
+                wr.aborted.append(req["txid"])
+                return wr.prepare(req)
+            src = DistSource([P.TensorMeta.from_dict(d) for d in req["tensors"]], tr, rank, torch.device("cpu"))
+            try:
+                src.open()
+                src.receive_all()
+                self.received[w] = {m.name: t.clone() for m, t in src.tensors()}
+                return {"ok": True, "state": "unchanged"}
+            except P.RefitError as e:  # what the real worker reports
+                return {"ok": False, "state": "unchanged", "kind": e.kind, "message": str(e)}
+            finally:
+                src.close()
+
+        outs = [None] * self.n
+        ts = [threading.Thread(target=lambda w=w: outs.__setitem__(w, one(w))) for w in range(self.n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        self.results = outs
+        bad = [o for o in outs if not o["ok"]]
+        if bad:
+            return bad[0]
+        self.txs[req["txid"]] = {"deadline": req["deadline"], "version": req["version"], "written": False}
+        return {"ok": True, "state": "unchanged", "guarantee": self.guarantee}
+
+
+def push_dist(engines, **kw):
+    return fleet.push_weights(engines, TENSORS, transport="dist", **kw)
+
+
+def test_dist_one_broadcast_group_spans_every_engines_workers():
+    """Engines of 2 and 1 workers: world 1 + 3; each engine's workers get their offset; every worker receives
+    the same bytes; the request differs between engines only in that offset."""
+    a, b = DistEngine(n=2), DistEngine(n=1)
+    rep = push_dist([a, b], timeout_s=30)
+    assert rep.ok and rep.state == "committed" and rep.versions == [1, 1] and rep.transport == "dist", rep
+    assert sorted(a.ranks) == [1, 2] and b.ranks == [3]
+    assert rep.buckets >= 1 and "send" in rep.stages and "fingerprint" in rep.stages, rep.stages
+    for e in (a, b):
+        assert len(e.received) == e.n
+        for got in e.received.values():
+            assert all(torch.equal(got[n], t) for n, t in TENSORS)
+
+
+def test_dist_a_refusing_worker_still_takes_part_and_nothing_is_written():
+    """engine1's second worker refuses (the real worker code): it drains the broadcast, so engine0 and
+    engine1's other worker receive every bucket at once, and every engine is aborted - long before the
+    group's timeout."""
+    a, b = DistEngine(n=1), DistEngine(n=2, refuse_worker=1)
+    t0 = time.monotonic()
+    rep = push_dist([a, b], timeout_s=60, raise_on_error=False)
+    took = time.monotonic() - t0
+    assert took < 10.0, took  # the group times out after 45 s
+    assert rep.state == "unchanged" and [e["state"] for e in rep.engines] == ["unchanged", "unchanged"], rep
+    assert "engine1 prepare" in rep.message and "aborted" in rep.message and "\n" not in rep.message
+    assert "never joined" not in rep.message  # it refused, but it took part
+    assert len(a.received) == 1 and len(b.received) == 1  # both receivers got the whole update
+    assert "drain" in b.results[1]["stages"], b.results[1]
+    assert a.calls[-1] == b.calls[-1] == "rlpatch_refit_abort"
+    assert "rlpatch_refit_commit" not in a.calls + b.calls
+
+
+def test_dist_a_hung_engine_is_named_within_timeout_s_and_the_others_get_an_error_not_a_hang():
+    a, b = DistEngine(n=1), DistEngine(n=1, hang="rlpatch_refit_prepare", hang_s=8.0)
+    t0 = time.monotonic()
+    with pytest.raises(RefitError) as ei:
+        push_dist([a, b], timeout_s=2.0)
+    took = time.monotonic() - t0
+    assert took < 5.0, took
+    msg = str(ei.value)
+    assert "engine1: no answer to prepare within 2.0 s" in msg and "\n" not in msg, msg
+    assert msg.endswith("never joined the broadcast group: engine1 (1 worker)"), msg
+    rep = ei.value.report
+    assert "engine0 prepare: dist transport: the broadcast group did not form within 1.5 s" in \
+        rep.engines[0]["errors"][0], rep.engines[0]
+    assert rep.engines[1]["dead"] and not rep.engines[0]["dead"], rep.engines
+    assert rep.engines[0]["state"] == "unchanged" and a.calls[-1] == "rlpatch_refit_abort"
+    assert "rlpatch_refit_commit" not in a.calls

@@ -4,9 +4,10 @@ list); prints `RESULT {...}`.
     python fleet_engines.py SPEC.json      SPEC: {"weights": {"B": DIR, "C": DIR}, "engine": {...LLM kwargs...}}
 
 Steps (each recorded under its name): a good update, a refusal in one engine's prepare, a failure after the
-first write in one engine at `rollback` and at `validate-then-write`, a good update after that, and last an
-engine killed (SIGKILL of its engine-core process) before an update. Run with VLLM_RLPATCH_FAULT_INJECTION=1
-and the test's worker extension (snapshots) on PYTHONPATH.
+first write in one engine at `rollback` and at `validate-then-write`, a good update after that, the same
+over `dist` (a good update, a refusal in one engine's prepare, a good update back), and last an engine
+killed (SIGKILL of its engine-core process) before an update. Run with VLLM_RLPATCH_FAULT_INJECTION=1 and the
+test's worker extension (snapshots) on PYTHONPATH.
 """
 
 import json
@@ -112,6 +113,22 @@ def main():
     gen("g_C")
     fp("fp_C")
     snap("snap_C")
+    # dist: one gloo broadcast group spanning the trainer and both engines' workers
+    push("dist_B", "B", transport="dist", timeout_s=60.0)
+    versions("v_dist_B")
+    gen("g_dist_B")
+    fp("fp_dist_B")
+    snap("snap_dist_B")
+    # a refusal in engine1's prepare with dist: engine1's worker drains the broadcast, nobody writes
+    steps["arm_dist_prepare"] = arm(1, "prepare")
+    push("dist_refused", "C", transport="dist", timeout_s=60.0)
+    eq("eq_dist_refused")
+    gen("g_dist_refused")
+    versions("v_dist_refused")
+    push("dist_C", "C", transport="dist", timeout_s=60.0)  # back on C for the last step
+    versions("v_dist_C")
+    fp("fp_dist_C")
+    snap("snap_dist_C")
     # an engine killed mid-update: engine1's worker process gets SIGKILL after every engine prepared, as its
     # commit is sent (engine0 commits, then is rolled back)
     pid = llms[1].collective_rpc("rlpatch_ping")[0]["pid"]

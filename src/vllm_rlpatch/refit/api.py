@@ -249,9 +249,10 @@ class Outgoing:
         self._static: Any = None
 
     # -- placing the bytes -------------------------------------------------------------------------------
-    def send(self, n_workers: int | None = None) -> None:
+    def send(self, n_workers: int | None = None, group_timeout_s: float | None = None) -> None:
         """Place the bytes (pack / handles / start the broadcast) and fill the request. Refuses (``refused``)
-        a NaN/inf the digest found, before any RPC."""
+        a NaN/inf the digest found, before any RPC. ``dist``: ``n_workers`` receivers; ``group_timeout_s`` the
+        process group's timeout (default ``timeout_s``)."""
         if self.refused is not None:
             return
         o, tr = self.opts, self.transport
@@ -270,7 +271,7 @@ class Outgoing:
             backend = o.dist_backend or ("nccl" if any(t.is_cuda for _, t in self.tensors) else "gloo")
             self.sender = DistSender(self.tensors, self.metas, bucket, n_workers=n_workers or 1,
                                      host=o.dist_host or "127.0.0.1", port=o.dist_port, backend=backend,
-                                     timeout_s=o.timeout_s, verify=o.verify)
+                                     timeout_s=group_timeout_s or o.timeout_s, verify=o.verify)
             self.stages["fingerprint"] = self.sender.seconds_fingerprint
             self.req["transport"] = self.sender.spec()
         elif tr in ("cuda_ipc", "cuda_ipc_layout"):
@@ -337,9 +338,11 @@ class Outgoing:
             _TEMPLATES[_tkey(self.tgt)] = (self._static, self.template_key)
         return False
 
-    def finish_send(self) -> None:
+    def finish_send(self, timeout: float = 10.0) -> None:
         if self.transport == "dist" and self.sender is not None:
-            self.sender.join(timeout=10)
+            self.sender.join(timeout=timeout)
+            if self.sender.running:
+                return  # still waiting in the group (a receiver never joined): it ends on the group's timeout
             self.stages["send"] = self.sender.seconds_send
             if self.sender.error is not None:
                 logger.warning("vllm-rlpatch: dist sender reported %r", self.sender.error)

@@ -6,7 +6,12 @@ from a background thread. It digests its tensors first (one fused pass), so a Na
 is sent.
 
 Source (worker side, :class:`DistSource`): receives bucket by bucket into this worker's memory. The bytes
-crossed a network: the worker digests what it received and compares (``trusted_digests`` is False).
+crossed a network: the worker digests what it received and compares (``trusted_digests`` is False). Its rank in
+the group is the spec's ``rank_base`` + the worker's rank in its engine: 1 + rank for one engine; a fleet
+(:mod:`.fleet`) gives each engine the offset of its workers in one group spanning every engine's workers, so
+the bytes are broadcast once for the whole fleet. The broadcast is a collective: a worker that refuses the
+update must still take part (:meth:`DistSource.drain`), or every other rank waits for it until the group's
+timeout. ``stream`` (default True) False: never streamed into the weights (a fleet receives in prepare).
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ import torch
 from vllm_rlpatch.refit import checks
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.source import Source
+
+
+def joined_key(txid: str, rank: int) -> str:
+    return f"rlpatch-joined/{txid}/{rank}"
 
 
 def broadcast_opts(root: int = 0):
@@ -111,6 +120,17 @@ class DistSender:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def missing_ranks(self) -> list[int]:
+        """The receivers' ranks that never joined this update's group (each marks itself before it joins)."""
+        try:
+            return [r for r in range(1, self.world) if not self.store.check([joined_key(self.txid, r)])]
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to say
+            return []
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     @property
     def nbytes(self) -> int:
         return sum(self.sizes)
@@ -123,19 +143,33 @@ class DistSource(Source):
         self.metas, self.spec, self.rank, self.device = metas, spec, rank, device
         self.pg = None
         self.buffers: dict[int, torch.Tensor] = {}
-        self.received = 0
+        self.received = 0  # buckets received so far (in order: the next one is this index)
+        self.opened = False
+        self.failed = False  # a receive failed: the group is broken, nothing more to take part in
+        self.streaming_ok = bool(spec.get("stream", True))
 
     def open(self) -> None:
         import torch.distributed as dist
 
         s = self.spec
+        self.opened = True
         timeout = datetime.timedelta(seconds=float(s.get("timeout_s", 120)))
-        store = dist.TCPStore(s["host"], int(s["port"]), int(s["world_size"]), is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"rlpatch/{s['txid']}", store)
-        if s.get("backend", "gloo") == "nccl":
-            self.pg = dist.ProcessGroupNCCL(store, self.rank, int(s["world_size"]), dist.ProcessGroupNCCL.Options())
-        else:
-            self.pg = dist.ProcessGroupGloo(store, self.rank, int(s["world_size"]), timeout)
+        try:
+            raw = dist.TCPStore(s["host"], int(s["port"]), int(s["world_size"]), is_master=False, timeout=timeout)
+            raw.set(joined_key(s["txid"], self.rank), "1")  # the sender can name the ranks that never joined
+            store = dist.PrefixStore(f"rlpatch/{s['txid']}", raw)
+            if s.get("backend", "gloo") == "nccl":
+                self.pg = dist.ProcessGroupNCCL(store, self.rank, int(s["world_size"]),
+                                                dist.ProcessGroupNCCL.Options())
+            else:
+                self.pg = dist.ProcessGroupGloo(store, self.rank, int(s["world_size"]), timeout)
+        except Exception as e:
+            self.failed = True
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise P.RefitError(f"dist transport: the broadcast group did not form within {timeout.total_seconds():.1f} "
+                               f"s (rank {self.rank} of {s['world_size']}; {type(e).__name__}: {first}): another "
+                               "rank never joined (a hung engine or worker) or the sender died",
+                               kind="transport") from e
 
     def _receive(self, seg: int) -> torch.Tensor:
         size = int(self.spec["segments"][seg])
@@ -144,6 +178,7 @@ class DistSource(Source):
         try:
             self.pg.broadcast([buf], broadcast_opts()).wait()
         except Exception as e:
+            self.failed = True
             raise P.RefitError(f"dist transport: bucket {seg + 1}/{len(self.spec['segments'])} did not arrive "
                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the sender "
                                "died or the network failed", kind="transport") from e
@@ -155,6 +190,28 @@ class DistSource(Source):
         for seg in range(len(self.spec["segments"])):
             if seg not in self.buffers:
                 self.buffers[seg] = self._receive(seg)
+
+    def drain(self) -> int:
+        """Take part in the rest of the broadcast without keeping the bytes (joining the group first if this
+        worker never did): the update was refused here, but the sender and every other receiver of the group
+        wait for this rank in each bucket's collective. Returns the buckets drained; closes the group."""
+        n = 0
+        try:
+            if self.failed or (self.opened and self.pg is None):
+                return 0  # the group is broken, or this worker already left it
+            if self.pg is None:
+                self.open()
+            dev = self.device if self.spec.get("backend") == "nccl" else torch.device("cpu")
+            segs = [int(x) for x in self.spec["segments"]]
+            scratch = torch.empty(max(segs[self.received:], default=0), dtype=torch.uint8, device=dev)
+            for seg in range(self.received, len(segs)):
+                self.pg.broadcast([scratch[: segs[seg]]], broadcast_opts()).wait()
+                self.received += 1
+                n += 1
+            return n
+        finally:
+            self.buffers.clear()
+            self.close()
 
     def tensors(self):
         for m in self.metas:

@@ -11,12 +11,21 @@ A fleet update:
 2. **The bytes, once.** The sender (:class:`~vllm_rlpatch.refit.api.Outgoing`) checks the metadata against the
    schema (every engine must have the same one), then packs and digests the tensors **once**: for ``shm`` into
    one set of shared-memory segments that every engine's workers map; for ``cuda_ipc`` one set of handles that
-   every engine opens. A NaN is refused here, before any engine is asked anything.
+   every engine opens; for ``dist`` one broadcast process group spanning the trainer (rank 0) and every
+   engine's workers (gloo on CPU, NCCL on GPU; world = 1 + every engine's worker count), the buckets broadcast
+   once for the whole fleet. Each engine's request then differs only in its workers' rank offset
+   (``rank_base``: 1 + the worker counts of the engines before it). A NaN is refused here, before any engine is
+   asked anything.
 3. **Prepare** (:func:`~.coordinator.coordinate_prepare`) on every engine at once, one thread per engine: each
-   engine's workers validate and stage; nothing is written. The request carries the transaction id and a
-   deadline (now + ``timeout_s``, wall clock): a worker refuses to commit after it, or after an abort of that
-   id. Any refusal, failure, or an engine that has not answered by the deadline: every engine that answered is
-   aborted (:func:`~.coordinator.coordinate_abort`) and keeps its old weights (``state="unchanged"``).
+   engine's workers validate and stage; nothing is written. With ``dist`` every worker receives the broadcast
+   here, all engines at once (``stream`` False: never in commit, even for ``mode="direct"``); a worker that
+   refuses still drains the broadcast (:meth:`~.dist.DistSource.drain`) so no other rank waits for it; the
+   group's timeout (0.75 x ``timeout_s``) ends before the phase's, so the ranks that joined answer with a
+   transport error while an engine that never joined is named as hung. The request carries the transaction id
+   and a deadline (now + ``timeout_s``, wall clock): a worker refuses to commit after it, or after an abort of
+   that id. Any refusal, failure, or an engine that has not answered by the deadline: every engine that
+   answered is aborted (:func:`~.coordinator.coordinate_abort`) and keeps its old weights
+   (``state="unchanged"``).
 4. **Commit** (:func:`~.coordinator.coordinate_commit` with ``keep``) on every engine: each writes and keeps its
    backup. All committed: every engine releases its backup (``committed``). One failed (or did not answer in
    time): every engine that committed is aborted, which rolls it back from its backup (``restored``; the
@@ -43,8 +52,8 @@ where it lives (a mixed engine refuses requests in its actor or server). Every e
 bytes are placed once: shared memory, or CUDA IPC without URLs). Engines are named ``engine<i>``, with the URL
 or the Ray actor (``engine1 (Ray actor Host 3f2a...)``).
 
-Not here (yet): engines on other hosts and ``dist`` to several engines (one broadcast group spanning every
-engine's workers), several trainer ranks sending shards (one sender: the caller).
+Not here (yet): engines on other hosts, several trainer ranks sending shards (one sender: the caller).
+``dist`` across engines ran with gloo only; the NCCL branch with several receivers is unrun.
 """
 
 from __future__ import annotations
@@ -257,24 +266,22 @@ def _schemas(engines: list[_Engine], timeout_s: float) -> list[Any]:
 
 
 def _transport(engines: list[_Engine], opts: api.Options) -> str:
-    """One transport for every engine: the bytes are placed once. ``shm`` / ``cuda_ipc`` need every engine on
-    this host; no ``cuda_ipc`` over HTTP (``auto`` then takes ``shm``)."""
+    """One transport for every engine: the bytes are placed once. Every engine must be on this host (``shm`` /
+    ``cuda_ipc`` map this host's memory; ``dist``'s group is hosted here on loopback); no ``cuda_ipc`` over HTTP
+    (``auto`` then takes ``shm``)."""
     tr = opts.transport
-    if tr == "dist":
-        raise P.RefitError("transport='dist' to several engines is not supported yet (one broadcast group spanning "
-                           "every engine's workers): use 'shm' (same host) or push to each engine on its own",
-                           kind="validation")
     for e in engines:
         if not e.tgt.same_host():
-            raise P.RefitError(f"{e.name} is on another host: a fleet update places the bytes once, in this host's "
-                               "shared memory (or CUDA IPC), which every engine maps; dist to several engines is "
-                               "not supported yet: push to that engine on its own", kind="validation")
+            raise P.RefitError(f"{e.name} is on another host: a fleet update places the bytes once on this host "
+                               "(shared memory, CUDA IPC, or one dist group on loopback); engines on other hosts "
+                               "are not supported in a fleet yet: push to that engine on its own",
+                               kind="validation")
     http = next((e for e in engines if e.tgt.kind == "http"), None)
     if http is not None:
         if tr == "cuda_ipc":
             raise P.RefitError(f"{http.name}: transport='cuda_ipc' is not offered over HTTP (IPC handles would need "
                                "pickle): use shm (or auto) for a fleet with a URL", kind="validation")
-        return "shm"
+        return "dist" if tr == "dist" else "shm"
     return tr
 
 
@@ -311,9 +318,12 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
     keep_pool = True
     try:
         if out_.transport == "dist":
-            raise P.RefitError("transport 'dist' to several engines is not supported yet: use 'shm' or push to each "
-                               "engine on its own", kind="validation")
-        out_.send(n_workers=workers[0])
+            bases = _dist_rank_bases(engines, workers)
+            # the group's timeout ends before the phase's: a rank that never joins (a hung engine) turns into a
+            # transport error on the others, and the hung engine is named when the phase times out
+            out_.send(n_workers=sum(workers), group_timeout_s=_dist_group_timeout(opts.timeout_s))
+        else:
+            out_.send(n_workers=workers[0])
         stages.update(out_.stages)
         if out_.refused is not None:
             for e in engines:
@@ -323,10 +333,17 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         req = dict(out_.req)
         req["workers"] = None  # never the one-RPC path: a fleet prepares everywhere before it writes anywhere
         req["deadline"] = time.time() + opts.timeout_s
-        # ---- phase 1: prepare everywhere
+        # one request per engine; with dist they differ only in the rank offset of the engine's workers
+        reqs = {e.i: _dist_request(req, bases[e.i]) if out_.transport == "dist" else req for e in engines}
+        # ---- phase 1: prepare everywhere (with dist: every engine's workers receive the one broadcast here)
         t1 = time.perf_counter()
-        prep = _run_phase(engines, "prepare", lambda e: {"req": req}, opts.timeout_s)
+        prep = _run_phase(engines, "prepare", lambda e: {"req": reqs[e.i]}, opts.timeout_s)
         stages["prepare"] = time.perf_counter() - t1
+        if out_.transport == "dist":
+            good = all(r.get("ok") for r in prep.values()) and not any(e.dead for e in engines)
+            out_.finish_send(timeout=10.0 if good else 0.0)
+            if "send" in out_.stages:
+                stages["send"] = out_.stages["send"]
         for e in engines:
             e.prep = prep.get(e.i)
         if any(e.dead for e in engines):
@@ -339,8 +356,9 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
                 e.abort = ab.get(e.i)
                 e.state = "unknown" if e.dead else (e.abort or {}).get("state", "unchanged")
             bad = [e for e in engines if e.errors]
+            absent = _dist_absent(out_, engines, bases) if out_.transport == "dist" else ""
             return _end(engines, new_version, cur, stages, t0, o, _fleet_state(engines),
-                        "prepare failed on " + "; ".join(x for e in bad for x in e.errors[:1]),
+                        "prepare failed on " + "; ".join(x for e in bad for x in e.errors[:1]) + absent,
                         raise_on_error, txid, out_.metas, None, transport=out_.transport, kind=_kind(prep))
         # ---- phase 2: commit everywhere, every engine keeping its backup until all committed
         t1 = time.perf_counter()
@@ -363,7 +381,8 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
                 if not rel.get(e.i, {}).get("ok"):
                     e.errors.append(f"{e.name}: release after commit failed (its backup is dropped at the next "
                                     "update)")
-            out_.finish_send()
+            if out_.transport != "dist":
+                out_.finish_send()
             return _end(engines, new_version, cur, stages, t0, o, "committed", "", raise_on_error, txid,
                         out_.metas, None, transport=out_.transport)
         # one engine failed to commit: roll back the ones that committed
@@ -394,6 +413,47 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         if out_.sender is not None and not keep_pool:
             api.drop_pool(key)  # an engine declared dead may still read them: the next update packs anew
         out_.close()
+
+
+def _dist_rank_bases(engines: list[_Engine], workers: list[int | None]) -> dict[int, int]:
+    """``dist`` across a fleet: one group, the trainer rank 0, then each engine's workers in the order given
+    (world = 1 + every engine's worker count); an engine's worker of rank r is rank ``base + r``."""
+    bases, base = {}, 1
+    for e, n in zip(engines, workers):
+        if not n:
+            raise P.RefitError(f"{e.name}: its worker count is unknown, so its ranks in the fleet's broadcast group "
+                               "cannot be placed: use transport='shm'", kind="validation")
+        bases[e.i], base = base, base + int(n)
+    return bases
+
+
+def _dist_group_timeout(timeout_s: float) -> float:
+    """The fleet's broadcast group times out before the phase does (``timeout_s``): the ranks that joined get a
+    transport error in time to answer, the one that never joined is the engine named for no answer."""
+    return max(1.0, 0.75 * timeout_s)
+
+
+def _dist_request(req: dict[str, Any], base: int) -> dict[str, Any]:
+    """The request one engine of a ``dist`` fleet gets: the shared one with its workers' rank offset, received
+    in prepare (never streamed into the weights in commit, where a refusal would leave the others waiting)."""
+    return {**req, "transport": {**req["transport"], "rank_base": base, "stream": False}}
+
+
+def _dist_absent(out_: api.Outgoing, engines: list[_Engine], bases: dict[int, int]) -> str:
+    """After a failed prepare: the engines with a worker that never joined the broadcast group (why the others'
+    group timed out), as a message suffix."""
+    missing = set(getattr(out_.sender, "missing_ranks", lambda: [])())
+    names = []
+    for e in engines:
+        n = len([r for r in missing if bases[e.i] <= r < bases[e.i] + _n_workers(bases, e.i, out_)])
+        if n:
+            names.append(f"{e.name} ({n} worker{'s' if n > 1 else ''})")
+    return f"; never joined the broadcast group: {', '.join(names)}" if names else ""
+
+
+def _n_workers(bases: dict[int, int], i: int, out_: api.Outgoing) -> int:
+    later = [b for j, b in bases.items() if b > bases[i]]
+    return (min(later) if later else out_.sender.world) - bases[i]
 
 
 def _kind(results: dict[int, dict[str, Any]]) -> str:
@@ -455,7 +515,7 @@ def _end(engines: list[_Engine], new_version, cur, stages, t0, opts: api.Options
                       tensors=len(metas or []), seconds=time.perf_counter() - t0, stages=stages, engines=entries,
                       slowest=slow["name"] if slow else None, slowest_seconds=slow["seconds"] if slow else 0.0,
                       txid=txid, message=message,
-                      buckets=len({m.segment for m in metas}) if metas and transport == "shm" else 0)
+                      buckets=len({m.segment for m in metas}) if metas and transport in ("shm", "dist") else 0)
     if not rep.ok and raise_on_error:
         raise P.RefitError(f"fleet weight update not applied ({state}): {message}",
                            kind=(refused or {}).get("kind", kind), state=state,

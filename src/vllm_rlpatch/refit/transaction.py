@@ -246,6 +246,30 @@ class WorkerRefit:
 
     # --------------------------------------------------------------- prepare
     def prepare(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._dist_source: DistSource | None = None
+        out = self._prepare(req)
+        if not out.get("ok") and (req.get("transport") or {}).get("kind") == "dist":
+            self._drain(req, out)
+        return out
+
+    def _drain(self, req: dict[str, Any], out: dict[str, Any]) -> None:
+        """A refused ``dist`` update: this rank still takes part in the rest of the broadcast (joining the group
+        if it refused before it did), so the sender and the other receivers - this engine's other workers, every
+        other engine of a fleet - are not left waiting for it until the group's timeout."""
+        src = self._dist_source
+        t1 = _now()
+        try:
+            if src is None:
+                src = make_source(req, [], self.worker, self.device)
+            n = src.drain()
+        except Exception as e:  # noqa: BLE001 - the refusal stands; the group fails on its timeout
+            logger.warning("vllm-rlpatch: could not drain the refused dist update: %s: %s", type(e).__name__, e)
+            out["drain_error"] = f"{type(e).__name__}: {e}"
+            return
+        if n:
+            out.setdefault("stages", {})["drain"] = _now() - t1
+
+    def _prepare(self, req: dict[str, Any]) -> dict[str, Any]:
         t0 = _now()
         txid = req["txid"]
         if txid in self.aborted:
@@ -311,6 +335,8 @@ class WorkerRefit:
                 source.metas = metas
             else:
                 source = make_source(req, metas, self.worker, self.device)
+                if _is_dist(source):
+                    self._dist_source = source  # taking part in the broadcast: drained if refused (prepare)
                 source.open()
                 if req.get("template"):
                     self.templates.clear()  # the latest only: a trainer that changed its tensors sent a new one
@@ -326,6 +352,8 @@ class WorkerRefit:
             elif tx.path == "plan" and not self._plan_usable(names, tx):
                 return _fail("validation", tx_state_now(tx), "this part has tensors the copy plan does not cover "
                              "(an earlier part of the session took the plan path)", stages, tx.checks)
+            # streamed (direct, dist): received in commit, as it is written; a fleet receives here (``stream``
+            # False): every engine takes part in the one broadcast while they all prepare
             streamed = tx.mode == "direct" and getattr(source, "streaming_ok", True) and _is_dist(source)
             if not streamed:
                 t1 = _now()

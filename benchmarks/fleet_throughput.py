@@ -1,0 +1,187 @@
+"""Fleet update throughput: ``push_weights([llm_0, ..., llm_{N-1}], tensors)`` on CPU for N = 1 .. 4 engines in one
+process, over ``shm`` and ``dist``, on the installed vLLM.
+
+    python benchmarks/fleet_throughput.py [--out FILE.json] [--max-engines 4] [--rounds 5] [--transports shm,dist]
+
+A Llama-shaped model (~137 MB of bf16 weights: hidden 1024, 6 layers; dummy weights, nothing is downloaded) in
+``--max-engines`` engines started once (dtype bfloat16, max_model_len 256, kv_cache_memory_bytes 256 MiB,
+enforce_eager; ``VLLM_ENABLE_V1_MULTIPROCESSING`` as in the environment, default on: each engine's worker in its
+own engine-core process, as in tests/test_fleet.py). For each N the first N engines take complete updates of
+seeded random weights, the transports interleaved per round. Per N and transport, medians over the rounds of:
+
+* the trainer-side stages of the fleet report (``pack`` for shm: packed once for every engine; ``fingerprint``
+  and ``send`` for dist: one broadcast group spanning every engine's worker) and their sum, ``trainer_s``;
+* each engine's write time (its workers' ``write``) and its prepare + commit seconds;
+* the whole update (``total_s``).
+
+``trainer_ratio``: trainer_s at the largest N over N = 1, per transport (the target: <= 1.1, the bytes are
+packed/sent once whatever N; gloo's broadcast from rank 0 may still send once per receiver). Timing is
+reported, never asserted. Prints progress and writes JSON. Run it on an otherwise idle machine (the engines
+share the CPU cores with the trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPE = (1024, 2816, 6, 16, 4, 512)  # hidden, intermediate, layers, heads, kv_heads, vocab: ~137 MB bf16
+TRAINER_STAGES = ("pack", "fingerprint", "send")
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(reps: list[dict], n: int) -> dict:
+    stages = {k: median([r["stages"].get(k) for r in reps]) for k in TRAINER_STAGES}
+    stages = {k: v for k, v in stages.items() if v is not None}
+    trainer = [sum(r["stages"].get(k, 0.0) for k in TRAINER_STAGES) for r in reps]
+    return {
+        "engines": n,
+        "trainer_s": median(trainer),
+        "trainer_stages_s": stages,
+        "prepare_s": median([r["stages"].get("prepare") for r in reps]),
+        "commit_s": median([r["stages"].get("commit") for r in reps]),
+        "engine_write_s": [median([r["engines"][i]["stages"].get("worker_write") for r in reps]) for i in range(n)],
+        "engine_receive_s": [median([r["engines"][i]["stages"].get("worker_receive") for r in reps])
+                             for i in range(n)],
+        "engine_seconds": [median([r["engines"][i]["seconds"] for r in reps]) for i in range(n)],
+        "total_s": median([r["seconds"] for r in reps]),
+        "samples_total_s": [r["seconds"] for r in reps],
+        "samples_trainer_s": trainer,
+        "guarantee": reps[-1]["engines"][0]["guarantee"] if reps else None,
+        "path": reps[-1]["engines"][0]["path"] if reps else None,
+        "buckets": reps[-1]["buckets"] if reps else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/fleet_throughput-vllm<ver>-cpu.json")
+    ap.add_argument("--max-engines", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--transports", default="shm,dist")
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--model-dir", default=None, help="where to write the model config (default: a temp dir)")
+    args = ap.parse_args()
+    transports = [t for t in args.transports.split(",") if t]
+
+    import refit_throughput as RT
+    import torch
+    import vllm
+
+    from vllm_rlpatch import status
+    from vllm_rlpatch.refit import push_weights
+
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"fleet_throughput-vllm{vllm.__version__.split('+')[0]}-cpu.json")
+    model_dir = args.model_dir or tempfile.mkdtemp(prefix="rlpatch-fleet-bench-")
+    RT.SHAPES["fleet"] = SHAPE
+    try:
+        from vllm_rlpatch.models import path as model_path
+
+        tok_from = model_path("llama-tiny")
+    except Exception:  # noqa: BLE001 - a BPE tokenizer of its own
+        tok_from = None
+    RT.make_model(model_dir, "fleet", tok_from)
+    kw = dict(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+              kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.5)
+    t0 = time.perf_counter()
+    llms = []
+    for i in range(args.max_engines):
+        llms.append(vllm.LLM(**kw))
+        print(f"[fleet-bench] engine {i} up ({time.perf_counter() - t0:.1f} s)", flush=True)
+    res: dict = {"vllm": vllm.__version__, "torch": torch.__version__, "device": "cpu", "host": platform.node(),
+                 "cpu_count": os.cpu_count(), "engine_start_s": time.perf_counter() - t0,
+                 "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
+                 "shape": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"), SHAPE)),
+                 "max_engines": args.max_engines, "rounds": args.rounds, "transports": transports,
+                 "patches": {s["name"]: s["state"] for s in status()}}
+    schema = llms[0].collective_rpc("rlpatch_refit_describe")[0]["schema"]
+    weights = RT.trainer_state(schema, "cpu")
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    res.update(bytes=nbytes, tensors=len(weights))
+    print(f"[fleet-bench] vLLM {vllm.__version__}: {len(weights)} tensors, {nbytes / 1e6:.1f} MB, "
+          f"{args.max_engines} engines, transports {transports}, {args.rounds} rounds", flush=True)
+
+    results: dict = {t: {} for t in transports}
+    for n in range(1, args.max_engines + 1):
+        fleet = llms[:n]
+        # warm-up: the first update of this fleet (its shared-memory segments, each new engine's first update)
+        for tr in transports:
+            rep = push_weights(fleet, weights, transport=tr, timeout_s=args.timeout_s)
+            print(f"[fleet-bench] N={n} {tr} warm-up {rep.seconds:.3f} s", flush=True)
+        reps: dict = {t: [] for t in transports}
+        for r in range(args.rounds):
+            order = transports[r % len(transports):] + transports[:r % len(transports)]
+            for tr in order:
+                rep = push_weights(fleet, weights, transport=tr, timeout_s=args.timeout_s).as_dict()
+                reps[tr].append(rep)
+                trainer = sum(rep["stages"].get(k, 0.0) for k in TRAINER_STAGES)
+                print(f"[fleet-bench] N={n} {tr} round {r + 1}/{args.rounds}: total {rep['seconds']:.3f} s, "
+                      f"trainer {trainer:.3f} s, slowest {rep['slowest']} {rep['slowest_seconds']:.3f} s", flush=True)
+        for tr in transports:
+            results[tr][str(n)] = summarize(reps[tr], n)
+    res["results"] = results
+    top = str(args.max_engines)
+    res["trainer_ratio"] = {tr: (results[tr][top]["trainer_s"] / results[tr]["1"]["trainer_s"]
+                                 if results[tr]["1"]["trainer_s"] else None) for tr in transports}
+    res["trainer_ratio_engines"] = [1, args.max_engines]
+    res["trainer_ratio_target"] = 1.1
+
+    print(f"\n{'transport':9s} {'N':>2s} {'trainer ms':>11s} {'total ms':>9s} {'write ms (per engine)':>24s}")
+    for tr in transports:
+        for n, row in results[tr].items():
+            writes = " ".join(f"{(w or 0) * 1e3:.0f}" for w in row["engine_write_s"])
+            print(f"{tr:9s} {n:>2s} {(row['trainer_s'] or 0) * 1e3:11.1f} {row['total_s'] * 1e3:9.1f} {writes:>24s}")
+        ratio = res["trainer_ratio"][tr]
+        print(f"{tr}: trainer-side N={top} / N=1 = {ratio:.3f} (target <= 1.1)" if ratio is not None
+              else f"{tr}: no trainer-side time at N=1")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    print(f"[fleet-bench] wrote {out}", flush=True)
+    return 0
+
+
+def _end() -> None:
+    """os._exit skips the engines' shutdown and the atexit that unlinks the fleet's shared-memory segments: end
+    this process's own engine processes (they would outlive it) and unlink the segments."""
+    try:
+        import psutil
+
+        for c in psutil.Process().children(recursive=True):
+            try:
+                c.kill()
+            except psutil.Error:
+                pass
+    except ImportError:
+        pass
+    try:
+        from vllm_rlpatch.refit import api
+
+        for pool in list(api._POOLS.values()):
+            pool.close()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+if __name__ == "__main__":
+    rc = 1
+    try:
+        rc = main()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _end()
+        os._exit(rc)  # the engines' shutdown can wait on their processes; the results are written
