@@ -349,7 +349,7 @@ def load_side(paths: list[str], reference: Any = None) -> list[dict]:
 def _reference_errors(rows: list[dict], reference: Any) -> list[list[float]]:
     out = []
     for r in rows:
-        ref = reference.logprobs("fp32", r["prompt_token_ids"], r["token_ids"], r["sampling"])
+        ref, _ = reference.logprobs("fp32", r["prompt_token_ids"], r["token_ids"], r["sampling"])
         errs = []
         for a, b in zip(r["logprobs"], ref):
             if a is None or b is None or a < -1e29 or b < -1e29 or not math.isfinite(b):
