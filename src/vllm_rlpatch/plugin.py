@@ -57,30 +57,25 @@ _FORK_FRAMES = (
 )
 
 
-def _fork_role() -> str | None:
-    f = sys._getframe(1)
+def _role_from_stack(f: Any, table: tuple[tuple[str, str], ...]) -> str | None:
+    """The role of the first vLLM frame from ``f`` outwards whose qualified name ends with a needle of ``table``."""
     while f is not None:
         code = f.f_code
         qual = getattr(code, "co_qualname", code.co_name)
         if "/vllm/" in code.co_filename.replace("\\", "/"):
-            for needle, role in _FORK_FRAMES:
+            for needle, role in table:
                 if qual.endswith(needle):
                     return role
         f = f.f_back
     return None
 
 
+def _fork_role() -> str | None:
+    return _role_from_stack(sys._getframe(1), _FORK_FRAMES)
+
+
 def _detect_role() -> str:
-    f = sys._getframe(3)
-    while f is not None:
-        code = f.f_code
-        qual = getattr(code, "co_qualname", code.co_name)
-        if "/vllm/" in code.co_filename.replace("\\", "/"):
-            for needle, role in _ROLE_FRAMES:
-                if qual.endswith(needle):
-                    return role
-        f = f.f_back
-    return "other"
+    return _role_from_stack(sys._getframe(3), _ROLE_FRAMES) or "other"
 
 
 def process_role() -> str:
