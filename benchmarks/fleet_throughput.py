@@ -2,21 +2,25 @@
 process, over ``shm`` and ``dist``, on the installed vLLM.
 
     python benchmarks/fleet_throughput.py [--out FILE.json] [--max-engines 4] [--rounds 5] [--transports shm,dist]
+                                          [--settle 1.5]
 
 A Llama-shaped model (~137 MB of bf16 weights: hidden 1024, 6 layers; dummy weights, nothing is downloaded) in
 ``--max-engines`` engines started once (dtype bfloat16, max_model_len 256, kv_cache_memory_bytes 256 MiB,
 enforce_eager; ``VLLM_ENABLE_V1_MULTIPROCESSING`` as in the environment, default on: each engine's worker in its
 own engine-core process, as in tests/test_fleet.py). For each N the first N engines take complete updates of
-seeded random weights, the transports interleaved per round. Per N and transport, medians over the rounds of:
+seeded random weights, the transports interleaved per round, each update once after ``--settle`` seconds of quiet
+(the trainer's step between two updates in an RL loop) and once straight after the previous update (back to
+back), interleaved too. Per N, transport and mode, medians over the rounds of:
 
 * the trainer-side stages of the fleet report (``pack`` for shm: packed once for every engine; ``fingerprint``
   and ``send`` for dist: one broadcast group spanning every engine's worker) and their sum, ``trainer_s``;
 * each engine's write time (its workers' ``write``) and its prepare + commit seconds;
 * the whole update (``total_s``).
 
-``trainer_ratio``: trainer_s at the largest N over N = 1, per transport (the target: <= 1.1, the bytes are
-packed/sent once whatever N; gloo's broadcast from rank 0 may still send once per receiver). Timing is
-reported, never asserted. Prints progress and writes JSON. Run it on an otherwise idle machine (the engines
+``trainer_ratio``: trainer_s at the largest N over N = 1, per transport, settled (the target: <= 1.1: the bytes
+are packed once, and with dist sent once by the trainer, whatever N); ``trainer_ratio_back_to_back`` the same
+with no pause between updates (on a small host the previous update's engine-side work still runs on the cores the
+trainer packs on). Timing is reported, never asserted. Prints progress and writes JSON. Run it on an otherwise idle machine (the engines
 share the CPU cores with the trainer).
 """
 
@@ -72,9 +76,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--transports", default="shm,dist")
     ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--settle", type=float, default=1.5,
+                    help="seconds of quiet before a settled update (default 1.5; the back-to-back ones get none)")
     ap.add_argument("--model-dir", default=None, help="where to write the model config (default: a temp dir)")
     args = ap.parse_args()
     transports = [t for t in args.transports.split(",") if t]
+    if args.settle < 0 or args.rounds < 1 or args.max_engines < 1:
+        print("fleet_throughput: --settle must be >= 0, --rounds and --max-engines >= 1", file=sys.stderr)
+        return 2
+    modes = {"settled": args.settle, "back_to_back": 0.0}
 
     import refit_throughput as RT
     import torch
@@ -106,6 +116,7 @@ def main() -> int:
                  "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
                  "shape": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"), SHAPE)),
                  "max_engines": args.max_engines, "rounds": args.rounds, "transports": transports,
+                 "settle_s": args.settle,
                  "patches": {s["name"]: s["state"] for s in status()}}
     schema = llms[0].collective_rpc("rlpatch_refit_describe")[0]["schema"]
     weights = RT.trainer_state(schema, "cpu")
@@ -114,39 +125,49 @@ def main() -> int:
     print(f"[fleet-bench] vLLM {vllm.__version__}: {len(weights)} tensors, {nbytes / 1e6:.1f} MB, "
           f"{args.max_engines} engines, transports {transports}, {args.rounds} rounds", flush=True)
 
-    results: dict = {t: {} for t in transports}
+    results: dict = {m: {t: {} for t in transports} for m in modes}
     for n in range(1, args.max_engines + 1):
         fleet = llms[:n]
         # warm-up: the first update of this fleet (its shared-memory segments, each new engine's first update)
         for tr in transports:
             rep = push_weights(fleet, weights, transport=tr, timeout_s=args.timeout_s)
             print(f"[fleet-bench] N={n} {tr} warm-up {rep.seconds:.3f} s", flush=True)
-        reps: dict = {t: [] for t in transports}
+        reps: dict = {m: {t: [] for t in transports} for m in modes}
         for r in range(args.rounds):
             order = transports[r % len(transports):] + transports[:r % len(transports)]
+            morder = list(modes)[r % 2:] + list(modes)[:r % 2]
             for tr in order:
-                rep = push_weights(fleet, weights, transport=tr, timeout_s=args.timeout_s).as_dict()
-                reps[tr].append(rep)
-                trainer = sum(rep["stages"].get(k, 0.0) for k in TRAINER_STAGES)
-                print(f"[fleet-bench] N={n} {tr} round {r + 1}/{args.rounds}: total {rep['seconds']:.3f} s, "
-                      f"trainer {trainer:.3f} s, slowest {rep['slowest']} {rep['slowest_seconds']:.3f} s", flush=True)
-        for tr in transports:
-            results[tr][str(n)] = summarize(reps[tr], n)
-    res["results"] = results
+                for m in morder:
+                    if modes[m]:
+                        time.sleep(modes[m])
+                    rep = push_weights(fleet, weights, transport=tr, timeout_s=args.timeout_s).as_dict()
+                    reps[m][tr].append(rep)
+                    trainer = sum(rep["stages"].get(k, 0.0) for k in TRAINER_STAGES)
+                    print(f"[fleet-bench] N={n} {tr} {m} round {r + 1}/{args.rounds}: total {rep['seconds']:.3f} s, "
+                          f"trainer {trainer:.3f} s, slowest {rep['slowest']} {rep['slowest_seconds']:.3f} s",
+                          flush=True)
+        for m in modes:
+            for tr in transports:
+                results[m][tr][str(n)] = summarize(reps[m][tr], n)
+    res["results"] = results["settled"]
+    res["results_back_to_back"] = results["back_to_back"]
     top = str(args.max_engines)
-    res["trainer_ratio"] = {tr: (results[tr][top]["trainer_s"] / results[tr]["1"]["trainer_s"]
-                                 if results[tr]["1"]["trainer_s"] else None) for tr in transports}
+    for m, key in (("settled", "trainer_ratio"), ("back_to_back", "trainer_ratio_back_to_back")):
+        res[key] = {tr: (results[m][tr][top]["trainer_s"] / results[m][tr]["1"]["trainer_s"]
+                         if results[m][tr]["1"]["trainer_s"] else None) for tr in transports}
     res["trainer_ratio_engines"] = [1, args.max_engines]
     res["trainer_ratio_target"] = 1.1
 
-    print(f"\n{'transport':9s} {'N':>2s} {'trainer ms':>11s} {'total ms':>9s} {'write ms (per engine)':>24s}")
-    for tr in transports:
-        for n, row in results[tr].items():
-            writes = " ".join(f"{(w or 0) * 1e3:.0f}" for w in row["engine_write_s"])
-            print(f"{tr:9s} {n:>2s} {(row['trainer_s'] or 0) * 1e3:11.1f} {row['total_s'] * 1e3:9.1f} {writes:>24s}")
-        ratio = res["trainer_ratio"][tr]
-        print(f"{tr}: trainer-side N={top} / N=1 = {ratio:.3f} (target <= 1.1)" if ratio is not None
-              else f"{tr}: no trainer-side time at N=1")
+    for m in modes:
+        print(f"\n[{m}] {'transport':9s} {'N':>2s} {'trainer ms':>11s} {'total ms':>9s} {'write ms (per engine)':>24s}")
+        for tr in transports:
+            for n, row in results[m][tr].items():
+                writes = " ".join(f"{(w or 0) * 1e3:.0f}" for w in row["engine_write_s"])
+                print(f"[{m}] {tr:9s} {n:>2s} {(row['trainer_s'] or 0) * 1e3:11.1f} {row['total_s'] * 1e3:9.1f} "
+                      f"{writes:>24s}")
+            ratio = res["trainer_ratio" if m == "settled" else "trainer_ratio_back_to_back"][tr]
+            print(f"[{m}] {tr}: trainer-side N={top} / N=1 = {ratio:.3f} (target <= 1.1)" if ratio is not None
+                  else f"[{m}] {tr}: no trainer-side time at N=1")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as fh:
         json.dump(res, fh, indent=1, default=str)

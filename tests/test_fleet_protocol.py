@@ -348,3 +348,76 @@ def test_dist_a_hung_engine_is_named_within_timeout_s_and_the_others_get_an_erro
     assert rep.engines[1]["dead"] and not rep.engines[0]["dead"], rep.engines
     assert rep.engines[0]["state"] == "unchanged" and a.calls[-1] == "rlpatch_refit_abort"
     assert "rlpatch_refit_commit" not in a.calls
+
+
+def test_dist_relay_the_trainer_sends_each_bucket_once_and_a_draining_rank_passes_it_on(monkeypatch):
+    """gloo with several receivers (algo "relay"): engines of 1, 2 and 1 workers (receivers at ranks 1-4), two
+    buckets. The trainer sends each bucket once, to rank 1; the receivers pass it on along a binomial tree rooted
+    at rank 1 (rank 1 -> 2, 3; rank 2 -> 4). Rank 2 (engine1's first worker) refuses and drains: it still passes
+    every bucket on, so rank 4 (engine2) receives the whole update, bit for bit. Then a good update through the
+    same tree, every worker equal to the trainer's tensors."""
+    from vllm_rlpatch.refit import dist as D
+
+    sends = []
+    orig = D.relay
+
+    def counted(pg, buf, rank, world, tag):
+        works = orig(pg, buf, rank, world, tag)
+        sends.append((rank, tag, len(works)))
+        return works
+
+    monkeypatch.setattr(D, "relay", counted)
+    a, b, c = DistEngine(n=1), DistEngine(n=2, refuse_worker=0), DistEngine(n=1)
+    rep = push_dist([a, b, c], timeout_s=60, raise_on_error=False, bucket_bytes=16)
+    assert rep.state == "unchanged" and rep.buckets == 2, rep
+    per_rank = {r: sorted((t, n) for rr, t, n in sends if rr == r) for r in range(5)}
+    assert per_rank == {0: [(0, 1), (1, 1)], 1: [(0, 2), (1, 2)], 2: [(0, 1), (1, 1)], 3: [(0, 0), (1, 0)],
+                        4: [(0, 0), (1, 0)]}, per_rank
+    assert "drain" in b.results[0]["stages"], b.results[0]
+    assert sorted(b.received) == [1] and sorted(c.received) == [0] and sorted(a.received) == [0]
+    for e in (a, b, c):
+        for got in e.received.values():
+            assert all(torch.equal(got[n], t) for n, t in TENSORS)
+    sends.clear()
+    a, b, c = DistEngine(n=1), DistEngine(n=2), DistEngine(n=1)
+    rep = push_dist([a, b, c], timeout_s=60, bucket_bytes=16)
+    assert rep.ok and rep.versions == [1, 1, 1] and len([s for s in sends if s[0] == 0]) == 2, (rep, sends)
+    for e in (a, b, c):
+        assert len(e.received) == e.n
+        for got in e.received.values():
+            assert all(torch.equal(got[n], t) for n, t in TENSORS)
+
+
+def test_dist_relay_tree_reaches_every_receiver_once():
+    """The relay's schedule for 1-9 receivers, without a network: every receiver gets the bucket exactly once,
+    from a rank that already has it, and the trainer sends once."""
+    from vllm_rlpatch.refit import dist as D
+
+    class Rec:
+        def __init__(self):
+            self.log = []
+
+        def send(self, bufs, dst, tag):
+            self.log.append(("send", dst))
+            return self
+
+        def recv(self, bufs, src, tag):
+            self.log.append(("recv", src))
+            return self
+
+        def wait(self):
+            return True
+
+    for world in range(2, 11):
+        logs = {}
+        for rank in range(world):
+            pg = Rec()
+            D.relay(pg, torch.empty(1), rank, world, 0)
+            logs[rank] = pg.log
+        assert logs[0] == [("send", 1)]
+        for r in range(1, world):
+            recvs = [x for x in logs[r] if x[0] == "recv"]
+            assert len(recvs) == 1 and logs[r][0] == recvs[0], (world, r, logs)
+            src = recvs[0][1]
+            assert ("send", r) in logs[src], (world, r, logs)
+        assert sum(len(v) for v in logs.values()) == 2 * (world - 1)

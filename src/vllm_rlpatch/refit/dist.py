@@ -12,6 +12,14 @@ the group is the spec's ``rank_base`` + the worker's rank in its engine: 1 + ran
 the bytes are broadcast once for the whole fleet. The broadcast is a collective: a worker that refuses the
 update must still take part (:meth:`DistSource.drain`), or every other rank waits for it until the group's
 timeout. ``stream`` (default True) False: never streamed into the weights (a fleet receives in prepare).
+
+How a bucket moves (``algo`` in the spec, chosen by the sender): ``broadcast`` is the backend's broadcast, used
+with NCCL (pipelined in chunks along a ring: the sender's link carries the bytes once) and with a single gloo
+receiver. gloo's broadcast is a binomial tree rooted at the sender, which sends the bucket ``ceil(log2(world))``
+times (1, 2, 2, 3 sends for 1-4 receivers: gloo/broadcast.cc), so with several gloo receivers the sender's time
+grew with the fleet. ``relay`` (gloo, several receivers): the sender sends each bucket once, to rank 1, and the
+receivers pass it on among themselves along the same binomial tree rooted at rank 1 (:func:`relay`); a relaying
+rank posts its receive of the next bucket before it waits for its own sends of this one, so the buckets overlap.
 """
 
 from __future__ import annotations
@@ -32,6 +40,42 @@ from vllm_rlpatch.refit.source import Source
 
 def joined_key(txid: str, rank: int) -> str:
     return f"rlpatch-joined/{txid}/{rank}"
+
+
+def log2ceil(n: int) -> int:
+    return (int(n) - 1).bit_length() if n > 1 else 0
+
+
+def relay(pg, buf: torch.Tensor, rank: int, world: int, tag: int) -> list:
+    """This rank's part of one bucket under ``algo="relay"``; returns the sends still in flight (the caller waits
+    for them, after posting its next receive). Rank 0 (the sender) sends ``buf`` once, to rank 1. Ranks 1..world-1
+    are virtual ranks 0..world-2 of a binomial tree rooted at rank 1 (gloo's broadcast, gloo/broadcast.cc): in
+    round i, a virtual rank below 2**i that holds the bucket sends it to its peer with bit i set."""
+    if rank == 0:
+        return [pg.send([buf], 1, tag)]
+    v, vsize = rank - 1, world - 1
+    if v == 0:
+        pg.recv([buf], 0, tag).wait()
+    dim = log2ceil(vsize)
+    mask = (1 << dim) - 1
+    sends = []
+    for i in range(dim):
+        mask ^= 1 << i
+        if v & mask:
+            continue
+        vpeer = v ^ (1 << i)
+        if vpeer >= vsize:
+            continue
+        if v & (1 << i):
+            pg.recv([buf], vpeer + 1, tag).wait()
+        else:
+            sends.append(pg.send([buf], vpeer + 1, tag))
+    return sends
+
+
+def wait_all(works: list) -> None:
+    while works:
+        works.pop(0).wait()
 
 
 def broadcast_opts(root: int = 0):
@@ -56,6 +100,7 @@ class DistSender:
         self.sizes = P.assign_buckets(metas, bucket_bytes)
         self.backend = backend
         self.world = n_workers + 1
+        self.algo = "relay" if backend != "nccl" and self.world > 2 else "broadcast"
         self.txid = uuid.uuid4().hex
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
@@ -79,7 +124,7 @@ class DistSender:
     def spec(self) -> dict[str, Any]:
         return {"kind": "dist", "host": self.host, "port": self.port, "world_size": self.world,
                 "backend": self.backend, "timeout_s": self.timeout_s, "segments": list(self.sizes),
-                "txid": self.txid, "rank_base": 1}
+                "txid": self.txid, "rank_base": 1, "algo": self.algo}
 
     def _bucket(self, seg: int) -> torch.Tensor:
         buf = torch.empty(self.sizes[seg], dtype=torch.uint8, device=self.device)
@@ -102,7 +147,10 @@ class DistSender:
             for seg in range(len(self.sizes)):
                 if self.on_bucket is not None:
                     self.on_bucket(seg)
-                pg.broadcast([self._bucket(seg)], broadcast_opts()).wait()
+                if self.algo == "relay":
+                    wait_all(relay(pg, self._bucket(seg), 0, self.world, seg))
+                else:
+                    pg.broadcast([self._bucket(seg)], broadcast_opts()).wait()
                 self.sent_buckets += 1
             shutdown = getattr(pg, "shutdown", None)
             if shutdown is not None:
@@ -147,6 +195,7 @@ class DistSource(Source):
         self.opened = False
         self.failed = False  # a receive failed: the group is broken, nothing more to take part in
         self.streaming_ok = bool(spec.get("stream", True))
+        self._sends: list = []  # algo "relay": this rank's sends of the previous bucket, still in flight
 
     def open(self) -> None:
         import torch.distributed as dist
@@ -176,7 +225,7 @@ class DistSource(Source):
         dev = self.device if self.spec.get("backend") == "nccl" else torch.device("cpu")
         buf = torch.empty(size, dtype=torch.uint8, device=dev)
         try:
-            self.pg.broadcast([buf], broadcast_opts()).wait()
+            self._take(buf, seg)
         except Exception as e:
             self.failed = True
             raise P.RefitError(f"dist transport: bucket {seg + 1}/{len(self.spec['segments'])} did not arrive "
@@ -185,6 +234,18 @@ class DistSource(Source):
         self.received += 1
         self.extra_host_bytes += size if dev.type == "cpu" else 0
         return buf
+
+    def _take(self, buf: torch.Tensor, seg: int) -> None:
+        """This rank's part of bucket ``seg``; with ``relay`` the sends of the previous bucket complete after this
+        one's receive is posted (the next bucket arrives while this rank passes the previous one on)."""
+        if self.spec.get("algo") == "relay":
+            sends = relay(self.pg, buf, self.rank, int(self.spec["world_size"]), seg)
+            wait_all(self._sends)
+            self._sends = sends
+            if seg == len(self.spec["segments"]) - 1:
+                wait_all(self._sends)
+        else:
+            self.pg.broadcast([buf], broadcast_opts()).wait()
 
     def receive_all(self) -> None:
         for seg in range(len(self.spec["segments"])):
@@ -203,9 +264,11 @@ class DistSource(Source):
                 self.open()
             dev = self.device if self.spec.get("backend") == "nccl" else torch.device("cpu")
             segs = [int(x) for x in self.spec["segments"]]
-            scratch = torch.empty(max(segs[self.received:], default=0), dtype=torch.uint8, device=dev)
+            # two scratch buffers: with relay, a bucket may still be on its way out while the next one arrives
+            scratch = [torch.empty(max(segs[self.received:], default=0), dtype=torch.uint8, device=dev)
+                       for _ in range(2 if self.spec.get("algo") == "relay" else 1)]
             for seg in range(self.received, len(segs)):
-                self.pg.broadcast([scratch[: segs[seg]]], broadcast_opts()).wait()
+                self._take(scratch[seg % len(scratch)][: segs[seg]], seg)
                 self.received += 1
                 n += 1
             return n
@@ -225,6 +288,9 @@ class DistSource(Source):
 
     def close(self) -> None:
         self.buffers.clear()
+        with contextlib.suppress(Exception):
+            wait_all(self._sends)
+        self._sends = []
         pg, self.pg = self.pg, None
         if pg is not None:
             try:
