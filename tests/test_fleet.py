@@ -5,52 +5,16 @@ agree, a good update and a refusal over `dist` (one broadcast group spanning bot
 engine killed before an update. The protocol's corners (a hung engine, the deadline) are in
 tests/test_fleet_protocol.py."""
 
-import json
-
 import pytest
 
-import reference as R
-from conftest import model_path, run_script
+from fleet_helpers import lps as _lps, run_fleet_script, tokens as _tokens, vs_reference as _vs_reference
 
 pytestmark = pytest.mark.vllm
-
-EXT = "helpers_ext.FrameworkExtension"
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fleet")
-    w = {"B": R.perturbed_copy(model_path(), str(d / "B"), scale=1.0, seed=7),
-         "C": R.perturbed_copy(model_path(), str(d / "C"), scale=1.0, seed=8)}
-    spec = {"weights": w, "engine": {"model": model_path(), "worker_extension_cls": EXT}}
-    f = d / "spec.json"
-    f.write_text(json.dumps(spec))
-    r, log = run_script("fleet_engines.py", str(f), cwd=d, timeout=900, VLLM_RLPATCH_FAULT_INJECTION="1",
-                        VLLM_RLPATCH_FP32_LM_HEAD="0")
-    r["weights"] = w
-    return r
-
-
-def _reqs(g):
-    assert "requests" in g, g
-    return g["requests"]
-
-
-def _tokens(g):
-    return [q["token_ids"] for q in _reqs(g)]
-
-
-def _lps(g):
-    return [q["logprobs"] for q in _reqs(g)]
-
-
-def _vs_reference(g, weights_dir):
-    model = R.load(weights_dir)
-    got, ref = [], []
-    for q in _reqs(g):
-        got += q["logprobs"]
-        ref += R.token_logprobs(model, q["prompt_token_ids"], q["token_ids"])
-    return R.mismatch(got, ref)
+    return run_fleet_script(tmp_path_factory, "fleet", "fleet_engines.py", timeout=900)
 
 
 def test_a_good_update_lands_on_both_engines_at_one_version(run):

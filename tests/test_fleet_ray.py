@@ -4,41 +4,19 @@ into each actor. A good update, a refusal in one actor's prepare, a failure afte
 (both roll back), and an actor killed as the commits go out. The fleet logic itself is the in-process one
 (tests/test_fleet.py, every CI version); this runs on the newest CI version only (CI time)."""
 
-import json
-
 import pytest
 
-import reference as R
-from conftest import model_path, run_script, skip_unless_newest
+from conftest import skip_unless_newest
+from fleet_helpers import lps as _lps, run_fleet_script, tokens as _tokens, vs_reference as _vs_reference
 
 pytestmark = pytest.mark.vllm
-
-EXT = "helpers_ext.FrameworkExtension"
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, version):
     skip_unless_newest(version, "the Ray fleet test")
     pytest.importorskip("ray")
-    d = tmp_path_factory.mktemp("fleet_ray")
-    w = {"B": R.perturbed_copy(model_path(), str(d / "B"), scale=1.0, seed=7),
-         "C": R.perturbed_copy(model_path(), str(d / "C"), scale=1.0, seed=8)}
-    spec = {"weights": w, "engine": {"model": model_path(), "worker_extension_cls": EXT}}
-    f = d / "spec.json"
-    f.write_text(json.dumps(spec))
-    r, log = run_script("fleet_ray.py", str(f), cwd=d, timeout=600, VLLM_RLPATCH_FAULT_INJECTION="1",
-                        VLLM_RLPATCH_FP32_LM_HEAD="0")
-    r["weights"] = w
-    return r
-
-
-def _tokens(g):
-    assert "requests" in g, g
-    return [q["token_ids"] for q in g["requests"]]
-
-
-def _lps(g):
-    return [q["logprobs"] for q in g["requests"]]
+    return run_fleet_script(tmp_path_factory, "fleet_ray", "fleet_ray.py", timeout=600)
 
 
 def test_a_good_update_lands_in_both_actors_at_one_version(run):
@@ -60,12 +38,8 @@ def test_a_good_update_lands_in_both_actors_at_one_version(run):
     assert _tokens(ga) != _tokens(s["g0"][0])  # the weights did change
     # the actors' front ends took the update: outputs carry the new version
     assert all(q["spans"] == [[0, len(q["token_ids"]), 1, 1]] for q in ga["requests"]), ga
-    model = R.load(run["weights"]["B"])  # what a fresh load of B gives (float32 transformers, bf16 tolerance)
-    got, ref = [], []
-    for q in ga["requests"]:
-        got += q["logprobs"]
-        ref += R.token_logprobs(model, q["prompt_token_ids"], q["token_ids"])
-    assert R.mismatch(got, ref)["token_mult_prob_error"] <= 1.02
+    # what a fresh load of B gives (float32 transformers, bf16 tolerance)
+    assert _vs_reference(ga, run["weights"]["B"])["token_mult_prob_error"] <= 1.02
 
 
 def test_a_refusal_in_one_actors_prepare_changes_neither(run):

@@ -7,20 +7,12 @@
 set -euo pipefail
 CHUNKS=${1:?usage: setup_site.sh CHUNK_DIR}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+. "$ROOT/benchmarks/gpu/site_lib.sh"
 SITE=/tmp/site
 if [ ! -f "$SITE/vllm/__init__.py" ]; then
   mkdir -p "$SITE"
   (cd "$CHUNKS" && sha256sum -c SHA256 >/dev/null)
-  cat "$CHUNKS"/site0251.tgz.part* | tar -C "$SITE" -xzf -
+  unpack_bundle "$CHUNKS" site0251.tgz "$SITE"
 fi
-rm -rf "$SITE/vllm_rlpatch" "$SITE"/vllm_rlpatch-*.dist-info
-cp -r "$ROOT/src/vllm_rlpatch" "$SITE/"
-cp "$ROOT/src/vllm_rlpatch_startup.pth" "$SITE/"
-VER=$(python3 -c "import re;print(re.search(r'__version__ = \"([^\"]+)\"', open('$ROOT/src/vllm_rlpatch/__init__.py').read()).group(1))")
-D="$SITE/vllm_rlpatch-$VER.dist-info"
-mkdir -p "$D"
-printf 'Metadata-Version: 2.1\nName: vllm-rlpatch\nVersion: %s\n' "$VER" > "$D/METADATA"
-printf '[vllm.general_plugins]\nrlpatch = vllm_rlpatch.plugin:register\n\n[console_scripts]\nvllm-rlpatch = vllm_rlpatch.tools.cli:main\n' > "$D/entry_points.txt"
-: > "$D/RECORD"
-printf 'import site\nsite.addsitedir("%s")\n' "$SITE" > "$SITE/sitecustomize.py"
+install_rlpatch "$ROOT" "$SITE" python3
 PYTHONPATH=$SITE python3 -c "import vllm, vllm_rlpatch; from importlib.metadata import entry_points; print('vllm', vllm.__version__, 'rlpatch', vllm_rlpatch.__version__, [e.value for e in entry_points(group='vllm.general_plugins') if e.name=='rlpatch'])"

@@ -20,6 +20,7 @@ CHUNKS=${1:?usage: setup_site_0320.sh CHUNK_DIR [SITE]}
 SITE=${2:-${SITE:-/tmp/site0320}}
 PY=${PYTHON:-python3}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+. "$ROOT/benchmarks/gpu/site_lib.sh"
 CHUNKS=$(cd "$CHUNKS" && pwd)
 say() { echo "[setup_site $(date +%H:%M:%S)] $*"; }
 
@@ -34,28 +35,19 @@ if [ ! -f "$SITE/.rlpatch-site-complete" ]; then
   W=$(mktemp -d)
   trap 'rm -rf "$W"' EXIT
   for name in $(cd "$CHUNKS" && ls -- *.whl.part?? | sed 's/\.part[0-9][0-9]$//' | sort -u); do
-    cat "$CHUNKS/$name".part?? > "$W/$name"
+    cat_parts "$CHUNKS" "$name" > "$W/$name"
   done
   say "pip install --no-deps --no-index --no-compile --target $SITE: $(cd "$W" && ls -- *.whl | tr '\n' ' ')"
   "$PY" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --target "$SITE" "$W"/*.whl
   rm -rf "$W"
   bundle=$(cd "$CHUNKS" && ls -- site*.tgz.part00 | sed 's/\.part00$//')
   say "unpacking $bundle into $SITE"
-  cat "$CHUNKS/$bundle".part?? | tar -C "$SITE" -xzf -
+  unpack_bundle "$CHUNKS" "$bundle" "$SITE"
   touch "$SITE/.rlpatch-site-complete"
 fi
 
 say "installing this checkout's vllm-rlpatch into $SITE"
-rm -rf "$SITE/vllm_rlpatch" "$SITE"/vllm_rlpatch-*.dist-info
-cp -r "$ROOT/src/vllm_rlpatch" "$SITE/"
-cp "$ROOT/src/vllm_rlpatch_startup.pth" "$SITE/"
-VER=$("$PY" -c "import re;print(re.search(r'__version__ = \"([^\"]+)\"', open('$ROOT/src/vllm_rlpatch/__init__.py').read()).group(1))")
-D="$SITE/vllm_rlpatch-$VER.dist-info"
-mkdir -p "$D"
-printf 'Metadata-Version: 2.1\nName: vllm-rlpatch\nVersion: %s\n' "$VER" > "$D/METADATA"
-printf '[vllm.general_plugins]\nrlpatch = vllm_rlpatch.plugin:register\n\n[console_scripts]\nvllm-rlpatch = vllm_rlpatch.tools.cli:main\n' > "$D/entry_points.txt"
-: > "$D/RECORD"
-printf 'import site\nsite.addsitedir("%s")\n' "$SITE" > "$SITE/sitecustomize.py"
+install_rlpatch "$ROOT" "$SITE" "$PY"
 
 say "import check"
 PYTHONPATH=$SITE LD_LIBRARY_PATH=$SITE/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$PY" - "$SITE" <<'EOF'

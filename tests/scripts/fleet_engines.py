@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from fleet_record import FleetRecorder, run
 from refit_engine import generate, state_dict
 
 PROMPTS = ["the quick cat sees", "12 + 7 =", "count: 3 4 5", "the small model updates the"]
@@ -26,17 +27,17 @@ def main():
     spec = json.loads(open(sys.argv[1]).read())
     import vllm
 
-    from vllm_rlpatch.refit import RefitError, push_weights, weight_version
-
+    rec = FleetRecorder("fleet")
     kwargs = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=32 << 20, enforce_eager=True,
                   gpu_memory_utilization=0.3)
     kwargs.update(spec.get("engine", {}))
-    t0 = time.perf_counter()
-    llms = [vllm.LLM(**kwargs), vllm.LLM(**kwargs)]
+    t0 = rec.start()
+    llms = rec.targets = [vllm.LLM(**kwargs), vllm.LLM(**kwargs)]
     print(f"[fleet] engines up {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    res = {"vllm": vllm.__version__, "start_seconds": time.perf_counter() - t0, "steps": {}}
+    res = {"vllm": vllm.__version__, "start_seconds": time.perf_counter() - t0, "steps": rec.steps}
     steps = res["steps"]
-    sd = {k: state_dict(v, False) for k, v in spec["weights"].items()}
+    rec.weights = {k: state_dict(v, False) for k, v in spec["weights"].items()}
+    push, versions = rec.push, rec.versions
 
     def on_each(name, fn):
         out = []
@@ -61,28 +62,6 @@ def main():
 
     def arm(i, where):
         return llms[i].collective_rpc("rlpatch_refit_inject_fault", args=(where,))[0]
-
-    def versions(name):
-        try:
-            steps[name] = {"versions": weight_version(llms)}
-        except RefitError as e:
-            steps[name] = {"error": str(e), "versions": getattr(e, "versions", None)}
-        except Exception as e:  # noqa: BLE001 - a mixed engine refuses to say (its weights are no version)
-            steps[name] = {"error": f"{type(e).__name__}: {e}"}
-
-    def push(name, weights, **kw):
-        t1 = time.perf_counter()
-        try:
-            rep = push_weights(llms, list(sd[weights].items()), **kw)
-            steps[name] = {"ok": True, "report": rep.as_dict()}
-        except RefitError as e:
-            steps[name] = {"ok": False, "kind": e.kind, "state": e.state, "message": str(e),
-                           "report": e.report.as_dict() if e.report is not None else None}
-        except Exception as e:  # noqa: BLE001 - a non-RefitError is itself a finding
-            steps[name] = {"ok": False, "kind": "unexpected", "state": "?", "message": f"{type(e).__name__}: {e}"}
-        steps[name]["seconds"] = time.perf_counter() - t1
-        print(f"[fleet] {name}: {steps[name].get('ok')} {time.perf_counter() - t0:.1f}s", file=sys.stderr,
-              flush=True)
 
     gen("g0")
     push("push_B", "B")
@@ -152,33 +131,5 @@ def main():
     print("RESULT " + json.dumps(res, default=str), flush=True)
 
 
-def _end_children():
-    """engine1 is dead and engine0 would wait for it at shutdown: end this process's own engine processes
-    (they hold the test's output pipes open otherwise)."""
-    import psutil
-
-    for c in psutil.Process().children(recursive=True):
-        try:
-            c.kill()
-        except psutil.Error:
-            pass
-
-
 if __name__ == "__main__":
-    rc = 0
-    try:
-        main()
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        rc = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        _end_children()
-        from vllm_rlpatch.refit import api
-
-        for pool in list(api._POOLS.values()):  # os._exit skips the atexit that unlinks the segments
-            pool.close()
-        os._exit(rc)
+    run(main)

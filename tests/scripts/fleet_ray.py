@@ -19,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from fleet_engines import GREEDY  # noqa: E402
+from fleet_record import FleetRecorder, run  # noqa: E402
 from refit_engine import state_dict  # noqa: E402
 
 
@@ -26,14 +27,14 @@ def main():
     spec = json.loads(open(sys.argv[1]).read())
     import ray
 
-    from vllm_rlpatch.refit import RefitError, push_weights, weight_version
+    rec = FleetRecorder("fleet_ray")
     from vllm_rlpatch.refit.ray import RayTarget
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "PYTHONPATH", "TORCHDYNAMO_"))}
-    t0 = time.perf_counter()
+    t0 = rec.start()
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": env}, log_to_driver=True)
-    res = {"ray_init_seconds": time.perf_counter() - t0, "steps": {}}
+    res = {"ray_init_seconds": time.perf_counter() - t0, "steps": rec.steps}
     steps = res["steps"]
 
     @ray.remote(num_cpus=0)
@@ -56,11 +57,12 @@ def main():
         def rpc(self, method, args=()):
             return self.llm.collective_rpc(method, args=tuple(args))[0]
 
-    hosts = [Host.remote(spec["engine"], HERE) for _ in range(2)]
+    hosts = rec.targets = [Host.remote(spec["engine"], HERE) for _ in range(2)]
     res["pids"] = ray.get([h.rpc.remote("rlpatch_ping") for h in hosts])
     res["start_seconds"] = time.perf_counter() - t0
     print(f"[fleet_ray] actors up {res['start_seconds']:.1f}s", file=sys.stderr, flush=True)
-    sd = {k: state_dict(v, False) for k, v in spec["weights"].items()}
+    rec.weights = {k: state_dict(v, False) for k, v in spec["weights"].items()}
+    push, versions = rec.push, rec.versions
 
     def on_each(name, method, *args, among=None):
         out = []
@@ -70,28 +72,6 @@ def main():
             except Exception as e:  # noqa: BLE001 - recorded; the test decides
                 out.append({"error": f"{type(e).__name__}: {e}"})
         steps[name] = out
-
-    def versions(name, among=None):
-        try:
-            steps[name] = {"versions": weight_version(among or hosts)}
-        except RefitError as e:
-            steps[name] = {"error": str(e), "versions": getattr(e, "versions", None)}
-        except Exception as e:  # noqa: BLE001
-            steps[name] = {"error": f"{type(e).__name__}: {e}"}
-
-    def push(name, weights, **kw):
-        t1 = time.perf_counter()
-        try:
-            rep = push_weights(hosts, list(sd[weights].items()), **kw)
-            steps[name] = {"ok": True, "report": rep.as_dict()}
-        except RefitError as e:
-            steps[name] = {"ok": False, "kind": e.kind, "state": e.state, "message": str(e),
-                           "report": e.report.as_dict() if e.report is not None else None}
-        except Exception as e:  # noqa: BLE001 - a non-RefitError is itself a finding
-            steps[name] = {"ok": False, "kind": "unexpected", "state": "?", "message": f"{type(e).__name__}: {e}"}
-        steps[name]["seconds"] = time.perf_counter() - t1
-        print(f"[fleet_ray] {name}: {steps[name].get('ok')} {time.perf_counter() - t0:.1f}s", file=sys.stderr,
-              flush=True)
 
     on_each("g0", "generate", GREEDY)
     push("push_B", "B")
@@ -131,33 +111,14 @@ def main():
     print("RESULT " + json.dumps(res, default=str), flush=True)
 
 
-if __name__ == "__main__":
-    rc = 0
+def _ray_shutdown():
     try:
-        main()
-    except BaseException:
-        import traceback
+        import ray
 
-        traceback.print_exc()
-        rc = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            import ray
+        ray.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
 
-            ray.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
-        import psutil
 
-        for c in psutil.Process().children(recursive=True):  # a killed actor's engine processes, Ray's own
-            try:
-                c.kill()
-            except psutil.Error:
-                pass
-        from vllm_rlpatch.refit import api
-
-        for pool in list(api._POOLS.values()):  # os._exit skips the atexit that unlinks the segments
-            pool.close()
-        os._exit(rc)
+if __name__ == "__main__":
+    run(main, shutdown=_ray_shutdown)  # then a killed actor's engine processes, Ray's own
