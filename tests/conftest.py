@@ -75,12 +75,18 @@ def summaries_in(log: str) -> list[dict]:
             for g in SUMMARY_RE.findall(log)]
 
 
+def result_json(line: str):
+    """The JSON of a script's ``RESULT {...}`` line; text another thread wrote onto the same line after it
+    (Ray forwards its actors' output to the driver's stdout) is ignored."""
+    return json.JSONDecoder().raw_decode(line[len("RESULT "):].lstrip())[0]
+
+
 class EngineRun:
     def __init__(self, proc: subprocess.CompletedProcess, status_dir: Path):
         self.proc = proc
         self.log = proc.stdout + proc.stderr
         m = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        self.result = json.loads(m[-1][len("RESULT "):]) if m else None
+        self.result = result_json(m[-1]) if m else None
         self.status_dir = status_dir
 
     def summaries(self) -> list[dict]:
@@ -149,7 +155,7 @@ def run_script(script: str, *args: str, cwd=None, timeout: float = 900, **env: s
     log = p.stdout + p.stderr
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert p.returncode == 0 and lines, log[-6000:] + "\n" + process_tails(log)
-    return _explain_deaths(json.loads(lines[-1][7:]), log), log
+    return _explain_deaths(result_json(lines[-1]), log), log
 
 
 def run_py(code: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:

@@ -108,7 +108,8 @@ def main():
     on_each("survivor_gen", "generate", GREEDY, among=hosts[:1])
     versions("v_survivor", among=hosts[:1])
     versions("v_with_dead")
-    print("RESULT " + json.dumps(res, default=str), flush=True)
+    sys.stdout.write("RESULT " + json.dumps(res, default=str) + "\n")  # one write: no other thread splits it
+    sys.stdout.flush()
 
 
 def _ray_shutdown():

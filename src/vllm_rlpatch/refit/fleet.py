@@ -6,14 +6,16 @@ ones here: a single target goes straight to :mod:`.api`; a list (or tuple) of ta
 
 A fleet update:
 
-1. **Versions.** Every engine's weight version is read; the new version is ``version`` or max(current) + 1,
-   the same on every engine.
+1. **Versions.** Every engine's weight version is read (after step 2's trainer-side work: an RPC leaves every
+   engine's worker spinning for a second, vLLM's shm-broadcast ``busy_loop_s``, on the cores the trainer packs
+   on); the new version is ``version`` or max(current) + 1, the same on every engine.
 2. **The bytes, once.** The sender (:class:`~vllm_rlpatch.refit.api.Outgoing`) checks the metadata against the
    schema (every engine must have the same one), then packs and digests the tensors **once**: for ``shm`` into
    one set of shared-memory segments that every engine's workers map; for ``cuda_ipc`` one set of handles that
    every engine opens; for ``dist`` one broadcast process group spanning the trainer (rank 0) and every
-   engine's workers (gloo on CPU, NCCL on GPU; world = 1 + every engine's worker count), the buckets broadcast
-   once for the whole fleet. Each engine's request then differs only in its workers' rank offset
+   engine's workers (gloo on CPU, NCCL on GPU; world = 1 + every engine's worker count): the trainer sends each
+   bucket once for the whole fleet (NCCL's broadcast; with gloo and several receivers a relay, the receivers
+   passing it on: :func:`~.dist.relay`). Each engine's request then differs only in its workers' rank offset
    (``rank_base``: 1 + the worker counts of the engines before it). A NaN is refused here, before any engine is
    asked anything.
 3. **Prepare** (:func:`~.coordinator.coordinate_prepare`) on every engine at once, one thread per engine: each
@@ -303,28 +305,34 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
             raise P.RefitError(f"{e.name} serves another model than engine0 (its schema differs): a fleet update "
                                "needs one model", kind="validation")
     opts = dataclasses.replace(opts, transport=_transport(engines, opts))
-    t1 = time.perf_counter()
-    cur = _versions(engines, opts.timeout_s)
-    stages["versions"] = time.perf_counter() - t1
-    dead = [e for e in engines if e.dead or cur[e.i] is None]
-    if dead:
-        return _end(engines, None, cur, stages, t0, opts, "unchanged",
-                    "; ".join(x for e in dead for x in e.errors), raise_on_error, "", [])
-    new_version = opts.version if opts.version is not None else max(v or 0 for v in cur.values()) + 1
-    o = dataclasses.replace(opts, version=new_version)
     key = ("fleet",) + tuple(_engine_key(e.tgt) for e in engines)
-    out_ = api.Outgoing(tgts[0], named_tensors, o, schema, pool=api.pool_for_key(key), fleet=True)
+    out_ = api.Outgoing(tgts[0], named_tensors, opts, schema, pool=api.pool_for_key(key), fleet=True)
     txid = out_.req["txid"]
     keep_pool = True
     try:
+        # the trainer's side first (pack and digest / fingerprint), before any RPC of this update: an RPC wakes
+        # every engine's workers, and vLLM's shm-broadcast readers then spin for a second (busy_loop_s = 1 in
+        # shm_broadcast.py) on the cores the trainer would be packing on
         if out_.transport == "dist":
             bases = _dist_rank_bases(engines, workers)
             # the group's timeout ends before the phase's: a rank that never joins (a hung engine) turns into a
             # transport error on the others, and the hung engine is named when the phase times out
-            out_.send(n_workers=sum(workers), group_timeout_s=_dist_group_timeout(opts.timeout_s))
+            out_.send(n_workers=sum(workers), group_timeout_s=_dist_group_timeout(opts.timeout_s), start=False)
         else:
             out_.send(n_workers=workers[0])
         stages.update(out_.stages)
+        t1 = time.perf_counter()
+        cur = _versions(engines, opts.timeout_s)
+        stages["versions"] = time.perf_counter() - t1
+        dead = [e for e in engines if e.dead or cur[e.i] is None]
+        if dead:
+            return _end(engines, None, cur, stages, t0, opts, "unchanged",
+                        "; ".join(x for e in dead for x in e.errors), raise_on_error, "", [],
+                        transport=out_.transport)
+        new_version = opts.version if opts.version is not None else max(v or 0 for v in cur.values()) + 1
+        o = dataclasses.replace(opts, version=new_version)
+        out_.req["version"] = new_version
+        out_.start_send()
         if out_.refused is not None:
             for e in engines:
                 e.errors.append(f"{e.name}: not asked (the sender refused the update)")
