@@ -2,7 +2,7 @@
 process, over ``shm`` and ``dist``, on the installed vLLM.
 
     python benchmarks/fleet_throughput.py [--out FILE.json] [--max-engines 4] [--rounds 5] [--transports shm,dist]
-                                          [--settle 1.5]
+                                          [--settle 1.5] [--device cpu|cuda] [--shape fleet|8b|...] [--gpu-mem 0.35]
 
 A Llama-shaped model (~137 MB of bf16 weights: hidden 1024, 6 layers; dummy weights, nothing is downloaded) in
 ``--max-engines`` engines started once (dtype bfloat16, max_model_len 256, kv_cache_memory_bytes 256 MiB,
@@ -15,7 +15,14 @@ back), interleaved too. Per N, transport and mode, medians over the rounds of:
 * the trainer-side stages of the fleet report (``pack`` for shm: packed once for every engine; ``fingerprint``
   and ``send`` for dist: one broadcast group spanning every engine's worker) and their sum, ``trainer_s``;
 * each engine's write time (its workers' ``write``) and its prepare + commit seconds;
-* the whole update (``total_s``).
+* the whole update (``total_s``);
+* the same bytes pushed to the same engines one after another (``push_weights(llm, ...)`` per engine, settled
+  first): ``sequential_s``, and ``fleet_over_sequential`` = total_s / sequential_s;
+* one copy of the same bytes on the device (``copy_s``: memcpy on CPU, a device-to-device copy on a GPU).
+
+``--device cuda`` (the GPU run of issue 21: two engines on one GPU, ``--max-engines 2 --shape 8b --gpu-mem 0.35
+--transports cuda_ipc``): the trainer's weights on the GPU, every engine on the same GPU with
+``gpu_memory_utilization`` ``--gpu-mem``; ``cuda_ipc`` sends one set of handles that every engine opens.
 
 ``trainer_ratio``: trainer_s at the largest N over N = 1, per transport, settled (the target: <= 1.1: the bytes
 are packed once, and with dist sent once by the trainer, whatever N); ``trainer_ratio_back_to_back`` the same
@@ -74,15 +81,26 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="default: benchmarks/results/fleet_throughput-vllm<ver>-cpu.json")
     ap.add_argument("--max-engines", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--transports", default="shm,dist")
+    ap.add_argument("--transports", default=None, help="default: shm,dist on cpu, cuda_ipc on cuda")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--shape", default="fleet", help="fleet (~137 MB, default) or a shape of refit_throughput.py")
+    ap.add_argument("--gpu-mem", type=float, default=0.35, help="cuda: gpu_memory_utilization of each engine")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--settle", type=float, default=1.5,
                     help="seconds of quiet before a settled update (default 1.5; the back-to-back ones get none)")
     ap.add_argument("--model-dir", default=None, help="where to write the model config (default: a temp dir)")
     args = ap.parse_args()
-    transports = [t for t in args.transports.split(",") if t]
+    transports = [t for t in (args.transports or ("shm,dist" if args.device == "cpu" else "cuda_ipc")).split(",") if t]
     if args.settle < 0 or args.rounds < 1 or args.max_engines < 1:
         print("fleet_throughput: --settle must be >= 0, --rounds and --max-engines >= 1", file=sys.stderr)
+        return 2
+    bad = [t for t in transports if t not in ("shm", "dist", "cuda_ipc")]
+    if bad or (args.device == "cpu" and "cuda_ipc" in transports):
+        print(f"fleet_throughput: transports are shm, dist (and cuda_ipc with --device cuda); got {args.transports}",
+              file=sys.stderr)
+        return 2
+    if not 0 < args.gpu_mem < 1:
+        print("fleet_throughput: --gpu-mem must be in (0, 1)", file=sys.stderr)
         return 2
     modes = {"settled": args.settle, "back_to_back": 0.0}
 
@@ -93,35 +111,45 @@ def main() -> int:
     from vllm_rlpatch import status
     from vllm_rlpatch.refit import push_weights
 
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"fleet_throughput-vllm{vllm.__version__.split('+')[0]}-cpu.json")
-    model_dir = args.model_dir or tempfile.mkdtemp(prefix="rlpatch-fleet-bench-")
     RT.SHAPES["fleet"] = SHAPE
+    if args.shape not in RT.SHAPES:
+        print(f"fleet_throughput: --shape {args.shape!r}: one of {', '.join(sorted(RT.SHAPES))}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fleet_throughput: --device cuda but torch sees no GPU", file=sys.stderr)
+        return 2
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"fleet_throughput-vllm{vllm.__version__.split('+')[0]}-{args.device}.json")
+    model_dir = args.model_dir or tempfile.mkdtemp(prefix="rlpatch-fleet-bench-")
     try:
         from vllm_rlpatch.models import path as model_path
 
         tok_from = model_path("llama-tiny")
     except Exception:  # noqa: BLE001 - a BPE tokenizer of its own
         tok_from = None
-    RT.make_model(model_dir, "fleet", tok_from)
+    RT.make_model(model_dir, args.shape, tok_from)
     kw = dict(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
-              kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.5)
+              kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.5 if args.device == "cpu" else args.gpu_mem)
     t0 = time.perf_counter()
     llms = []
     for i in range(args.max_engines):
         llms.append(vllm.LLM(**kw))
         print(f"[fleet-bench] engine {i} up ({time.perf_counter() - t0:.1f} s)", flush=True)
-    res: dict = {"vllm": vllm.__version__, "torch": torch.__version__, "device": "cpu", "host": platform.node(),
+    res: dict = {"vllm": vllm.__version__, "torch": torch.__version__, "device": args.device,
+                 "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+                 "host": platform.node(),
                  "cpu_count": os.cpu_count(), "engine_start_s": time.perf_counter() - t0,
                  "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
-                 "shape": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"), SHAPE)),
+                 "shape_name": args.shape, "gpu_mem": args.gpu_mem if args.device == "cuda" else None,
+                 "shape": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"),
+                                   RT.SHAPES[args.shape])),
                  "max_engines": args.max_engines, "rounds": args.rounds, "transports": transports,
                  "settle_s": args.settle,
                  "patches": {s["name"]: s["state"] for s in status()}}
     schema = llms[0].collective_rpc("rlpatch_refit_describe")[0]["schema"]
-    weights = RT.trainer_state(schema, "cpu")
+    weights = RT.trainer_state(schema, args.device)
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    res.update(bytes=nbytes, tensors=len(weights))
+    res.update(bytes=nbytes, tensors=len(weights), copy_s=copy_time(nbytes, args.device))
     print(f"[fleet-bench] vLLM {vllm.__version__}: {len(weights)} tensors, {nbytes / 1e6:.1f} MB, "
           f"{args.max_engines} engines, transports {transports}, {args.rounds} rounds", flush=True)
 
@@ -133,6 +161,7 @@ def main() -> int:
             rep = push_weights(fleet, weights, transport=tr, timeout_s=args.timeout_s)
             print(f"[fleet-bench] N={n} {tr} warm-up {rep.seconds:.3f} s", flush=True)
         reps: dict = {m: {t: [] for t in transports} for m in modes}
+        seq: dict = {t: [] for t in transports}
         for r in range(args.rounds):
             order = transports[r % len(transports):] + transports[:r % len(transports)]
             morder = list(modes)[r % 2:] + list(modes)[:r % 2]
@@ -146,9 +175,20 @@ def main() -> int:
                     print(f"[fleet-bench] N={n} {tr} {m} round {r + 1}/{args.rounds}: total {rep['seconds']:.3f} s, "
                           f"trainer {trainer:.3f} s, slowest {rep['slowest']} {rep['slowest_seconds']:.3f} s",
                           flush=True)
+                if n > 1:  # the same engines one after another, each its own update (settled first)
+                    time.sleep(args.settle)
+                    t1 = time.perf_counter()
+                    for llm in fleet:
+                        push_weights(llm, weights, transport=tr, timeout_s=args.timeout_s)
+                    seq[tr].append(time.perf_counter() - t1)
+                    print(f"[fleet-bench] N={n} {tr} sequential round {r + 1}/{args.rounds}: {seq[tr][-1]:.3f} s",
+                          flush=True)
         for m in modes:
             for tr in transports:
-                results[m][tr][str(n)] = summarize(reps[m][tr], n)
+                row = results[m][tr][str(n)] = summarize(reps[m][tr], n)
+                row["sequential_s"] = median(seq[tr]) if n > 1 else row["total_s"]
+                row["samples_sequential_s"] = seq[tr]
+                row["fleet_over_sequential"] = row["total_s"] / row["sequential_s"] if row["sequential_s"] else None
     res["results"] = results["settled"]
     res["results_back_to_back"] = results["back_to_back"]
     top = str(args.max_engines)
@@ -159,12 +199,13 @@ def main() -> int:
     res["trainer_ratio_target"] = 1.1
 
     for m in modes:
-        print(f"\n[{m}] {'transport':9s} {'N':>2s} {'trainer ms':>11s} {'total ms':>9s} {'write ms (per engine)':>24s}")
+        print(f"\n[{m}] {'transport':9s} {'N':>2s} {'trainer ms':>11s} {'total ms':>9s} {'sequential ms':>14s} "
+              f"{'write ms (per engine)':>24s}")
         for tr in transports:
             for n, row in results[m][tr].items():
                 writes = " ".join(f"{(w or 0) * 1e3:.0f}" for w in row["engine_write_s"])
                 print(f"[{m}] {tr:9s} {n:>2s} {(row['trainer_s'] or 0) * 1e3:11.1f} {row['total_s'] * 1e3:9.1f} "
-                      f"{writes:>24s}")
+                      f"{(row['sequential_s'] or 0) * 1e3:14.1f} {writes:>24s}")
             ratio = res["trainer_ratio" if m == "settled" else "trainer_ratio_back_to_back"][tr]
             print(f"[{m}] {tr}: trainer-side N={top} / N=1 = {ratio:.3f} (target <= 1.1)" if ratio is not None
                   else f"[{m}] {tr}: no trainer-side time at N=1")
@@ -173,6 +214,25 @@ def main() -> int:
         json.dump(res, fh, indent=1, default=str)
     print(f"[fleet-bench] wrote {out}", flush=True)
     return 0
+
+
+def copy_time(nbytes: int, device: str, reps: int = 5) -> float:
+    """Median seconds of one copy of ``nbytes`` on the device (memcpy on CPU, device-to-device on a GPU)."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(reps + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del a, b
+    return median(times[1:])
 
 
 def _end() -> None:
