@@ -13,7 +13,9 @@ seeded random weights, the transports interleaved per round, each update once af
 back), interleaved too. Per N, transport and mode, medians over the rounds of:
 
 * the trainer-side stages of the fleet report (``pack`` for shm: packed once for every engine; ``fingerprint``
-  and ``send`` for dist: one broadcast group spanning every engine's worker) and their sum, ``trainer_s``;
+  and ``send`` for dist: one broadcast group spanning every engine's worker, ``send`` from the group formed to
+  the last bucket sent) and their sum, ``trainer_s``; for dist also ``group_s``, the wait for every worker to
+  join the group (the prepare RPCs reaching the engines: engine-side latency, reported apart);
 * each engine's write time (its workers' ``write``) and its prepare + commit seconds;
 * the whole update (``total_s``);
 * the same bytes pushed to the same engines one after another (``push_weights(llm, ...)`` per engine, settled
@@ -55,12 +57,15 @@ def median(xs):
 
 def summarize(reps: list[dict], n: int) -> dict:
     stages = {k: median([r["stages"].get(k) for r in reps]) for k in TRAINER_STAGES}
+    group = [r["stages"]["group"] for r in reps if r["stages"].get("group") is not None]
     stages = {k: v for k, v in stages.items() if v is not None}
     trainer = [sum(r["stages"].get(k, 0.0) for k in TRAINER_STAGES) for r in reps]
     return {
         "engines": n,
         "trainer_s": median(trainer),
         "trainer_stages_s": stages,
+        "group_s": median(group),
+        "samples_group_s": group,
         "prepare_s": median([r["stages"].get("prepare") for r in reps]),
         "commit_s": median([r["stages"].get("commit") for r in reps]),
         "engine_write_s": [median([r["engines"][i]["stages"].get("worker_write") for r in reps]) for i in range(n)],

@@ -213,7 +213,7 @@ def main() -> int:
                "x_memcpy_speed": base / m}
         if key in reports:
             st = reports[key][-1]["stages"]
-            transport_s = sum(st.get(k, 0.0) for k in ("pack", "send")) + st.get("worker_open", 0.0) + \
+            transport_s = sum(st.get(k, 0.0) for k in ("pack", "group", "send")) + st.get("worker_open", 0.0) + \
                 st.get("worker_receive", 0.0)
             row.update(stages_last=st, checks=reports[key][-1]["checks"], path=reports[key][-1]["path"],
                        guarantee=reports[key][-1]["guarantee"], backup=reports[key][-1]["backup"],

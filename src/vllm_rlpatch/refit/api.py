@@ -348,6 +348,7 @@ class Outgoing:
             self.sender.join(timeout=timeout)
             if self.sender.running:
                 return  # still waiting in the group (a receiver never joined): it ends on the group's timeout
+            self.stages["group"] = self.sender.seconds_group
             self.stages["send"] = self.sender.seconds_send
             if self.sender.error is not None:
                 logger.warning("vllm-rlpatch: dist sender reported %r", self.sender.error)

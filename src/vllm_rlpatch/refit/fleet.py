@@ -350,8 +350,9 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         if out_.transport == "dist":
             good = all(r.get("ok") for r in prep.values()) and not any(e.dead for e in engines)
             out_.finish_send(timeout=10.0 if good else 0.0)
-            if "send" in out_.stages:
-                stages["send"] = out_.stages["send"]
+            for k in ("group", "send"):
+                if k in out_.stages:
+                    stages[k] = out_.stages[k]
         for e in engines:
             e.prep = prep.get(e.i)
         if any(e.dead for e in engines):
