@@ -249,11 +249,10 @@ class Outgoing:
         self._static: Any = None
 
     # -- placing the bytes -------------------------------------------------------------------------------
-    def send(self, n_workers: int | None = None, group_timeout_s: float | None = None, start: bool = True) -> None:
+    def send(self, n_workers: int | None = None, group_timeout_s: float | None = None) -> None:
         """Place the bytes (pack / handles / start the broadcast) and fill the request. Refuses (``refused``)
         a NaN/inf the digest found, before any RPC. ``dist``: ``n_workers`` receivers; ``group_timeout_s`` the
-        process group's timeout (default ``timeout_s``); ``start`` False: the broadcast starts at
-        :meth:`start_send` (a fleet first reads its engines' versions)."""
+        process group's timeout (default ``timeout_s``)."""
         if self.refused is not None:
             return
         o, tr = self.opts, self.transport
@@ -312,11 +311,7 @@ class Outgoing:
             self.req["nonfinite"] = [m.nonfinite for m in self.metas]
         else:
             self.req["tensors"] = [m.as_dict() for m in self.metas]
-        if tr == "dist" and start:
-            self.sender.start()
-
-    def start_send(self) -> None:
-        if self.transport == "dist" and self.sender is not None and self.refused is None:
+        if tr == "dist":
             self.sender.start()
 
     def _template(self, handles: list) -> None:

@@ -312,31 +312,21 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
     try:
         # the trainer's side first (pack and digest / fingerprint), before any RPC of this update: an RPC wakes
         # every engine's workers, and vLLM's shm-broadcast readers then spin for a second (busy_loop_s = 1 in
-        # shm_broadcast.py) on the cores the trainer would be packing on
+        # shm_broadcast.py) on the cores the trainer would be packing on. The engines' versions come back with
+        # their prepare answers (no RPC of their own: an engine core that read a message less than a second ago
+        # spins while it waits for its workers), and the new version travels with the commit.
         if out_.transport == "dist":
             bases = _dist_rank_bases(engines, workers)
             # the group's timeout ends before the phase's: a rank that never joins (a hung engine) turns into a
             # transport error on the others, and the hung engine is named when the phase times out
-            out_.send(n_workers=sum(workers), group_timeout_s=_dist_group_timeout(opts.timeout_s), start=False)
+            out_.send(n_workers=sum(workers), group_timeout_s=_dist_group_timeout(opts.timeout_s))
         else:
             out_.send(n_workers=workers[0])
         stages.update(out_.stages)
-        t1 = time.perf_counter()
-        cur = _versions(engines, opts.timeout_s)
-        stages["versions"] = time.perf_counter() - t1
-        dead = [e for e in engines if e.dead or cur[e.i] is None]
-        if dead:
-            return _end(engines, None, cur, stages, t0, opts, "unchanged",
-                        "; ".join(x for e in dead for x in e.errors), raise_on_error, "", [],
-                        transport=out_.transport)
-        new_version = opts.version if opts.version is not None else max(v or 0 for v in cur.values()) + 1
-        o = dataclasses.replace(opts, version=new_version)
-        out_.req["version"] = new_version
-        out_.start_send()
         if out_.refused is not None:
             for e in engines:
                 e.errors.append(f"{e.name}: not asked (the sender refused the update)")
-            return _end(engines, new_version, cur, stages, t0, o, "unchanged", out_.refused["message"],
+            return _end(engines, opts.version, {}, stages, t0, opts, "unchanged", out_.refused["message"],
                         raise_on_error, txid, out_.metas, out_.refused, transport=out_.transport)
         req = dict(out_.req)
         req["workers"] = None  # never the one-RPC path: a fleet prepares everywhere before it writes anywhere
@@ -355,6 +345,9 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
                     stages[k] = out_.stages[k]
         for e in engines:
             e.prep = prep.get(e.i)
+        cur = {e.i: _prepared_version(e.prep) for e in engines}
+        new_version = opts.version if opts.version is not None else max(v or 0 for v in cur.values()) + 1
+        o = dataclasses.replace(opts, version=new_version)
         if any(e.dead for e in engines):
             keep_pool = False
         if not all(r.get("ok") for r in prep.values()) or any(e.dead for e in engines):
@@ -363,7 +356,10 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
             stages["abort"] = time.perf_counter() - t1
             for e in engines:
                 e.abort = ab.get(e.i)
-                e.state = "unknown" if e.dead else (e.abort or {}).get("state", "unchanged")
+                # nothing was written anywhere (prepare only stages): an abort that could not say (its RPC
+                # failed, e.g. a server without the phase routes) leaves the weights as they were
+                said = (e.abort or {}).get("state")
+                e.state = "unknown" if e.dead else (said if said not in (None, "unknown") else "unchanged")
             bad = [e for e in engines if e.errors]
             absent = _dist_absent(out_, engines, bases) if out_.transport == "dist" else ""
             return _end(engines, new_version, cur, stages, t0, o, _fleet_state(engines),
@@ -372,7 +368,7 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         # ---- phase 2: commit everywhere, every engine keeping its backup until all committed
         t1 = time.perf_counter()
         n = {e.i: len(prep[e.i]["workers_prepare"]) for e in engines}
-        creq = {"txid": txid, "version": req.get("version"), "inflight": req.get("inflight")}
+        creq = {"txid": txid, "version": new_version, "inflight": req.get("inflight")}
         com = _run_phase(engines, "commit", lambda e: {"req": creq, "n": n[e.i], "keep": True}, opts.timeout_s)
         stages["commit"] = time.perf_counter() - t1
         for e in engines:
@@ -422,6 +418,12 @@ def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_
         if out_.sender is not None and not keep_pool:
             api.drop_pool(key)  # an engine declared dead may still read them: the next update packs anew
         out_.close()
+
+
+def _prepared_version(r: dict[str, Any] | None) -> int | None:
+    """The version an engine holds, from its prepare answer (every rank says; None: it did not prepare)."""
+    vs = [w.get("weight_version") for w in (r or {}).get("workers_prepare") or []]
+    return max(vs) if vs and None not in vs else None
 
 
 def _dist_rank_bases(engines: list[_Engine], workers: list[int | None]) -> dict[int, int]:
@@ -499,10 +501,13 @@ def _align(engines: list[_Engine], stages: dict[str, float], timeout_s: float) -
 def _end(engines: list[_Engine], new_version, cur, stages, t0, opts: api.Options, state: str, message: str,
          raise_on_error: bool, txid: str, metas, refused=None, transport: str = "", kind: str = "commit"
          ) -> FleetReport:
-    if state == "committed" or len(engines) and any(e.commit for e in engines):
-        final = _versions([e for e in engines if not e.dead], opts.timeout_s) if engines else {}
-    else:
-        final = cur or {}
+    live = [e for e in engines if not e.dead]
+    cur = cur or {}
+    if state == "committed" or any(e.commit for e in engines):
+        final = _versions(live, opts.timeout_s) if live else {}  # after a write: asked now
+    else:  # nothing written: as each engine said in its prepare answer, and asked of those that did not say
+        final = dict(cur)
+        final.update(_versions([e for e in live if cur.get(e.i) is None], opts.timeout_s))
     entries = []
     for e in engines:
         e.version = final.get(e.i)

@@ -399,7 +399,9 @@ class WorkerRefit:
             tx.pending = part
             self.txs[txid] = tx
             tx.stage("prepare", _now() - t0)
-            return self._result(tx, ok=True, state=tx_state_now(tx))
+            # the version this rank holds now: a fleet picks max + 1 from these answers (no RPC of its own)
+            return self._result(tx, ok=True, state=tx_state_now(tx),
+                                weight_version=weights.weight_version(self.worker))
         except P.RefitError as e:
             return _fail(e.kind, tx_state_now(tx), str(e), stages, tx.checks, e.problems)
         except InjectedFault as e:
