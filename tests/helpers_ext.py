@@ -198,6 +198,8 @@ class SupportCaptureExtension:
         rec = self.__dict__.setdefault("_support_capture", [])
         if getattr(sampler, "_support_capture_on", False):
             return True
+        if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
+            return self._support_capture_mrv2(sampler, rec)
         orig = sampler.forward
 
         def forward(logits, sampling_metadata, *a, **k):
@@ -207,6 +209,34 @@ class SupportCaptureExtension:
             return orig(logits, sampling_metadata, *a, **k)
 
         sampler.forward = forward
+        sampler._support_capture_on = True
+        return True
+
+    def _support_capture_mrv2(self, sampler, rec):
+        """Model Runner V2 (vllm/v1/worker/gpu/sample/sampler.py, 0.32.0): ``Sampler.__call__(logits,
+        input_batch)``, one row per scheduled request (no speculative decoding), ``input_batch.req_ids`` in row
+        order. A special method is looked up on the type, so this sampler object gets a subclass of its own. A
+        request's output position is the count of its earlier rows that sampled (a row of a request still
+        prefilling after this step - a chunked prefill - samples nothing: ``is_prefilling_np``, read after the
+        step's tokens are counted, as vLLM's get_num_sampled_and_rejected does on the GPU)."""
+        seen: dict = self.__dict__.setdefault("_support_capture_pos", {})
+        base = type(sampler)
+
+        def __call__(this, logits, input_batch, *a, **k):
+            n = int(input_batch.num_reqs)
+            ids = list(input_batch.req_ids)[:n]
+            done = (input_batch.num_computed_tokens_np[:n] + input_batch.num_scheduled_tokens[:n]
+                    >= input_batch.prefill_len_np[:n])
+            keep = [i for i in range(n) if bool(done[i])]
+            pos = []
+            for i in keep:
+                pos.append(seen.get(ids[i], 0))
+                seen[ids[i]] = pos[-1] + 1
+            if keep:
+                rec.append(([ids[i] for i in keep], pos, logits[keep].detach().float().cpu().clone()))
+            return base.__call__(this, logits, input_batch, *a, **k)
+
+        sampler.__class__ = type(base.__name__, (base,), {"__call__": __call__})
         sampler._support_capture_on = True
         return True
 
