@@ -3,6 +3,8 @@ aborted when, what the report says, fencing by deadline, a hung engine named wit
 packed once; with ``dist``, one real gloo broadcast group spanning every scripted engine's workers
 (threads). The same code on real vLLM engines: tests/test_fleet.py."""
 
+import ipaddress
+import socket
 import threading
 import time
 
@@ -317,6 +319,55 @@ def test_dist_one_broadcast_group_spans_every_engines_workers():
         assert len(e.received) == e.n
         for got in e.received.values():
             assert all(torch.equal(got[n], t) for n, t in TENSORS)
+
+
+def _this_hosts_address():
+    """An address of this host other hosts could reach (the interface of the default route), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # UDP: no packet is sent, the kernel picks the interface
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ipaddress.ip_address(ip).is_loopback else ip
+
+
+def test_an_engine_on_another_host_joins_one_dist_group_hosted_at_dist_host():
+    """engine1 is on another host (its target says so): shm is refused naming it, dist on loopback too (it could
+    not reach the group); with dist_host= an address of this host, one group spans both engines' workers (auto
+    takes dist) and both receive every byte."""
+    a, b = DistEngine(n=1), DistEngine(n=2)
+    b.same_host = lambda: False
+    with pytest.raises(RefitError) as ei:
+        push([a, b])
+    assert "engine1 is on another host: transport='shm' maps this host's memory" in str(ei.value), str(ei.value)
+    with pytest.raises(RefitError) as ei:
+        push_dist([a, b])
+    assert "(loopback), out of its reach: pass dist_host=" in str(ei.value), str(ei.value)
+    assert not [c for c in a.calls + b.calls if c.startswith("rlpatch_refit_")]  # refused before any engine
+    ip = _this_hosts_address()
+    if ip is None:
+        pytest.skip("this host has no address but loopback")
+    rep = fleet.push_weights([a, b], TENSORS, transport="auto", dist_host=ip, timeout_s=30)
+    assert rep.ok and rep.transport == "dist" and rep.versions == [1, 1], rep
+    assert sorted(a.ranks) == [1] and sorted(b.ranks) == [2, 3]
+    for e in (a, b):
+        assert len(e.received) == e.n
+        for got in e.received.values():
+            assert all(torch.equal(got[n], t) for n, t in TENSORS)
+
+
+def test_one_engine_on_another_host_is_refused_a_loopback_dist_group():
+    """A single engine on another host over dist with no dist_host (the group on 127.0.0.1): refused before any
+    RPC, in one line saying what to pass."""
+    from vllm_rlpatch.refit import api
+
+    b = DistEngine(n=1)
+    b.same_host = lambda: False
+    with pytest.raises(RefitError) as ei:
+        api.push_weights(b, TENSORS, transport="dist", timeout_s=30)
+    assert str(ei.value).startswith("the engine is on another host: a dist group hosted at 127.0.0.1 (loopback)")
+    assert not [c for c in b.calls if c.startswith("rlpatch_refit_")]
 
 
 def test_dist_a_refusing_worker_still_takes_part_and_nothing_is_written():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import time
 import uuid
@@ -197,6 +198,14 @@ async def schema_for_async(tgt: AsyncTarget) -> P.Schema:
     return _cached_schema(tgt) or _cache_schema(tgt, await tgt.describe_async())
 
 
+def is_loopback(host: str) -> bool:
+    """A loopback address (or ``localhost``): out of reach of another host."""
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _pick_transport(transport: str, tensors, target: Target) -> str:
     if transport != "auto":
         return transport
@@ -268,6 +277,10 @@ class Outgoing:
             self.host_bytes = self.sender.nbytes
             self.req["transport"] = self.sender.spec()
         elif tr == "dist":
+            if not self.fleet and not self.tgt.same_host() and (not o.dist_host or is_loopback(o.dist_host)):
+                raise P.RefitError(f"the engine is on another host: a dist group hosted at {o.dist_host or '127.0.0.1'} "
+                                   "(loopback) is out of its reach: pass dist_host= an address of this host that "
+                                   "the engine can reach", kind="validation")
             backend = o.dist_backend or ("nccl" if any(t.is_cuda for _, t in self.tensors) else "gloo")
             self.sender = DistSender(self.tensors, self.metas, bucket, n_workers=n_workers or 1,
                                      host=o.dist_host or "127.0.0.1", port=o.dist_port, backend=backend,

@@ -50,11 +50,12 @@ Where the engines are: each phase (``prepare``, ``commit`` keeping the backup, `
 built from plain data by :func:`~.coordinator.coordinate_phase`): an engine of this process through its RPCs
 here; a Ray actor handle as one ``__ray_call__`` into the actor (:mod:`.ray`); a URL as one call to the server's
 ``/rlpatch/v1/refit/<phase>`` route (:mod:`.http`). Any mix of them. The engine's front end takes the outcome
-where it lives (a mixed engine refuses requests in its actor or server). Every engine must be on this host (the
-bytes are placed once: shared memory, or CUDA IPC without URLs). Engines are named ``engine<i>``, with the URL
+where it lives (a mixed engine refuses requests in its actor or server). With ``shm`` / ``cuda_ipc`` every
+engine must be on this host (the bytes are placed once in its memory); a fleet with engines on other hosts is one
+``dist`` group hosted at ``dist_host`` (an address of this host they reach). Engines are named ``engine<i>``, with the URL
 or the Ray actor (``engine1 (Ray actor Host 3f2a...)``).
 
-Not here (yet): engines on other hosts, several trainer ranks sending shards (one sender: the caller).
+Not here (yet): several trainer ranks sending shards (one sender: the caller).
 ``dist`` across engines ran with gloo only; the NCCL branch with several receivers is unrun.
 """
 
@@ -268,16 +269,23 @@ def _schemas(engines: list[_Engine], timeout_s: float) -> list[Any]:
 
 
 def _transport(engines: list[_Engine], opts: api.Options) -> str:
-    """One transport for every engine: the bytes are placed once. Every engine must be on this host (``shm`` /
-    ``cuda_ipc`` map this host's memory; ``dist``'s group is hosted here on loopback); no ``cuda_ipc`` over HTTP
-    (``auto`` then takes ``shm``)."""
+    """One transport for every engine: the bytes are placed once. ``shm`` / ``cuda_ipc`` map this host's memory,
+    so every engine must be on this host; with an engine on another host the fleet is one ``dist`` group (``auto``
+    takes it) hosted at ``dist_host``, an address of this host every engine can reach (not loopback). No
+    ``cuda_ipc`` over HTTP (``auto`` then takes ``shm``)."""
     tr = opts.transport
-    for e in engines:
-        if not e.tgt.same_host():
-            raise P.RefitError(f"{e.name} is on another host: a fleet update places the bytes once on this host "
-                               "(shared memory, CUDA IPC, or one dist group on loopback); engines on other hosts "
-                               "are not supported in a fleet yet: push to that engine on its own",
-                               kind="validation")
+    remote = [e for e in engines if not e.tgt.same_host()]
+    if remote:
+        e = remote[0]
+        if tr not in ("dist", "auto"):
+            raise P.RefitError(f"{e.name} is on another host: transport={tr!r} maps this host's memory; a fleet "
+                               "with engines on other hosts is one broadcast group: transport='dist' (or 'auto') "
+                               "with dist_host= an address of this host they can reach", kind="validation")
+        if not opts.dist_host or api.is_loopback(opts.dist_host):
+            raise P.RefitError(f"{e.name} is on another host: the fleet's broadcast group would be hosted at "
+                               f"{opts.dist_host or '127.0.0.1'} (loopback), out of its reach: pass dist_host= an "
+                               "address of this host that every engine can reach", kind="validation")
+        return "dist"
     http = next((e for e in engines if e.tgt.kind == "http"), None)
     if http is not None:
         if tr == "cuda_ipc":
