@@ -216,9 +216,9 @@ class SupportCaptureExtension:
         """Model Runner V2 (vllm/v1/worker/gpu/sample/sampler.py, 0.32.0): ``Sampler.__call__(logits,
         input_batch)``, one row per scheduled request (no speculative decoding), ``input_batch.req_ids`` in row
         order. A special method is looked up on the type, so this sampler object gets a subclass of its own. A
-        request's output position is the count of its earlier rows that sampled (a row of a request still
-        prefilling after this step - a chunked prefill - samples nothing: ``is_prefilling_np``, read after the
-        step's tokens are counted, as vLLM's get_num_sampled_and_rejected does on the GPU)."""
+        request's output position is the count of its earlier rows that sampled. A row samples once the request's
+        computed plus scheduled tokens reach its prompt length; a row of a chunked prefill that does not yet
+        samples nothing (vLLM's get_num_sampled_and_rejected decides the same on the GPU)."""
         seen: dict = self.__dict__.setdefault("_support_capture_pos", {})
         base = type(sampler)
 

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from test_fleet_protocol import TENSORS, FakeEngine
+from test_fleet_protocol import TENSORS, FakeEngine, _phases
 from vllm_rlpatch.hooks import mixed
 from vllm_rlpatch.refit import RefitError, fleet
 from vllm_rlpatch.refit.http import HttpTarget
@@ -105,10 +105,6 @@ def servers():
 
 def push(targets, **kw):
     return fleet.push_weights(targets, TENSORS, transport="shm", **kw)
-
-
-def _phases(e: FakeEngine):
-    return [c for c in e.calls if c.startswith("rlpatch_refit_")]
 
 
 def test_a_good_update_over_http_commits_every_server_at_one_version(servers, monkeypatch):

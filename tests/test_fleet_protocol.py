@@ -101,9 +101,9 @@ class FakeEngine(Target):
         return self.weights_version
 
 
-def _last_refit_call(e):
-    """The last phase RPC an engine got (a report may ask an engine's version after it)."""
-    return [c for c in e.calls if c.startswith("rlpatch_refit_")][-1]
+def _phases(e):
+    """The phase RPCs an engine got, in order (a report may ask an engine's version after them)."""
+    return [c for c in e.calls if c.startswith("rlpatch_refit_")]
 
 
 def push(engines, **kw):
@@ -119,7 +119,7 @@ def test_a_good_update_commits_every_engine_at_one_version():
     assert rep.slowest in ("engine0", "engine1") and rep.slowest_seconds >= 0
     # every engine prepared before any engine committed; the backups were released only after all committed
     for e in (a, b):
-        assert [c for c in e.calls if c.startswith("rlpatch_refit_")] == [
+        assert _phases(e) == [
             "rlpatch_refit_prepare", "rlpatch_refit_commit", "rlpatch_refit_release"]
     assert a.segments == b.segments  # packed once: both engines read the same segments
     assert fleet.weight_version([a, b]) == [4, 4]
@@ -133,7 +133,7 @@ def test_a_refusal_in_prepare_aborts_every_engine_and_nothing_is_written():
     assert (rep.ok, rep.state, ei.value.state) == (False, "unchanged", "unchanged")
     assert "engine1" in str(ei.value) and "no room for the backup" in str(ei.value)
     assert "rlpatch_refit_commit" not in a.calls + b.calls
-    assert _last_refit_call(a) == _last_refit_call(b) == "rlpatch_refit_abort"
+    assert _phases(a)[-1] == _phases(b)[-1] == "rlpatch_refit_abort"
     assert (a.state, b.state, a.weights_version, b.weights_version) == ("clean", "clean", 0, 0)
     assert rep.versions == [0, 0]
 
@@ -167,7 +167,7 @@ def test_a_hung_engine_is_an_error_naming_it_within_timeout_s_and_the_others_abo
     assert "engine1: no answer to prepare within 1.0 s" in str(ei.value)
     rep = ei.value.report
     assert rep.engines[1]["dead"] and rep.engines[1]["state"] == "unknown"
-    assert rep.engines[0]["state"] == "unchanged" and _last_refit_call(a) == "rlpatch_refit_abort"
+    assert rep.engines[0]["state"] == "unchanged" and _phases(a)[-1] == "rlpatch_refit_abort"
     assert "rlpatch_refit_commit" not in a.calls
 
 
@@ -344,7 +344,7 @@ def test_an_engine_on_another_host_joins_one_dist_group_hosted_at_dist_host():
     with pytest.raises(RefitError) as ei:
         push_dist([a, b])
     assert "(loopback), out of its reach: pass dist_host=" in str(ei.value), str(ei.value)
-    assert not [c for c in a.calls + b.calls if c.startswith("rlpatch_refit_")]  # refused before any engine
+    assert not _phases(a) + _phases(b)  # refused before any engine
     ip = _this_hosts_address()
     if ip is None:
         pytest.skip("this host has no address but loopback")
@@ -367,7 +367,7 @@ def test_one_engine_on_another_host_is_refused_a_loopback_dist_group():
     with pytest.raises(RefitError) as ei:
         api.push_weights(b, TENSORS, transport="dist", timeout_s=30)
     assert str(ei.value).startswith("the engine is on another host: a dist group hosted at 127.0.0.1 (loopback)")
-    assert not [c for c in b.calls if c.startswith("rlpatch_refit_")]
+    assert not _phases(b)
 
 
 def test_dist_a_refusing_worker_still_takes_part_and_nothing_is_written():
@@ -384,7 +384,7 @@ def test_dist_a_refusing_worker_still_takes_part_and_nothing_is_written():
     assert "never joined" not in rep.message  # it refused, but it took part
     assert len(a.received) == 1 and len(b.received) == 1  # both receivers got the whole update
     assert "drain" in b.results[1]["stages"], b.results[1]
-    assert _last_refit_call(a) == _last_refit_call(b) == "rlpatch_refit_abort"
+    assert _phases(a)[-1] == _phases(b)[-1] == "rlpatch_refit_abort"
     assert "rlpatch_refit_commit" not in a.calls + b.calls
 
 
@@ -402,7 +402,7 @@ def test_dist_a_hung_engine_is_named_within_timeout_s_and_the_others_get_an_erro
     assert "engine0 prepare: dist transport: the broadcast group did not form within 1.5 s" in \
         rep.engines[0]["errors"][0], rep.engines[0]
     assert rep.engines[1]["dead"] and not rep.engines[0]["dead"], rep.engines
-    assert rep.engines[0]["state"] == "unchanged" and _last_refit_call(a) == "rlpatch_refit_abort"
+    assert rep.engines[0]["state"] == "unchanged" and _phases(a)[-1] == "rlpatch_refit_abort"
     assert "rlpatch_refit_commit" not in a.calls
 
 

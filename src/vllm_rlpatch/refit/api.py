@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import time
 import uuid
@@ -31,7 +30,7 @@ from vllm_rlpatch.refit.cuda_ipc import EngineLayout, ipc_handles
 from vllm_rlpatch.refit.dist import DistSender
 from vllm_rlpatch.refit.resolve import resolve
 from vllm_rlpatch.refit.shm import ShmPool, ShmSender
-from vllm_rlpatch.refit.target import AsyncTarget, Target, is_async_llm
+from vllm_rlpatch.refit.target import AsyncTarget, Target, is_async_llm, is_loopback
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -196,14 +195,6 @@ def schema_for(tgt: Target) -> P.Schema:
 
 async def schema_for_async(tgt: AsyncTarget) -> P.Schema:
     return _cached_schema(tgt) or _cache_schema(tgt, await tgt.describe_async())
-
-
-def is_loopback(host: str) -> bool:
-    """A loopback address (or ``localhost``): out of reach of another host."""
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _pick_transport(transport: str, tensors, target: Target) -> str:

@@ -74,7 +74,7 @@ from vllm_rlpatch.refit import api
 from vllm_rlpatch.refit import coordinator as C
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.resolve import resolve
-from vllm_rlpatch.refit.target import Target
+from vllm_rlpatch.refit.target import Target, is_loopback
 
 
 
@@ -281,7 +281,7 @@ def _transport(engines: list[_Engine], opts: api.Options) -> str:
             raise P.RefitError(f"{e.name} is on another host: transport={tr!r} maps this host's memory; a fleet "
                                "with engines on other hosts is one broadcast group: transport='dist' (or 'auto') "
                                "with dist_host= an address of this host they can reach", kind="validation")
-        if not opts.dist_host or api.is_loopback(opts.dist_host):
+        if not opts.dist_host or is_loopback(opts.dist_host):
             raise P.RefitError(f"{e.name} is on another host: the fleet's broadcast group would be hosted at "
                                f"{opts.dist_host or '127.0.0.1'} (loopback), out of its reach: pass dist_host= an "
                                "address of this host that every engine can reach", kind="validation")

@@ -26,7 +26,6 @@ Completion and chat-completion responses carry ``rlpatch_weight_versions`` on ev
 """
 
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ from typing import Any
 from vllm_rlpatch import envs
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.coordinator import PHASES, coordinate_on_async, coordinate_phase, rpc_error_to_refit, run_async
-from vllm_rlpatch.refit.target import Target
+from vllm_rlpatch.refit.target import Target, is_loopback
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -78,15 +77,6 @@ def _server_token(port: Any) -> tuple[str, str]:
     return tok, path
 
 
-def _is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 # ------------------------------------------------------------------------------------------ server
 # (no `from __future__ import annotations` in this module: FastAPI reads the handlers' annotations at run
 # time, and `request: Request` must resolve to the class, not to a string naming a local import)
@@ -105,7 +95,7 @@ def install_routes(app: Any) -> None:
 
     def _deny(request: Request) -> JSONResponse | None:
         client = request.client.host if request.client else None
-        if not allow_remote and not _is_loopback(client):
+        if not allow_remote and not is_loopback(client):
             return JSONResponse({"error": f"refit routes accept loopback clients only (client {client}); set "
                                           "VLLM_RLPATCH_HTTP_REMOTE=1 on the server to allow others"}, status_code=403)
         auth = request.headers.get("authorization", "")
@@ -145,7 +135,7 @@ def install_routes(app: Any) -> None:
         if kind not in ("shm", "dist"):
             return JSONResponse({"error": f"transport {kind!r} is not accepted over HTTP (shm from this host, or "
                                           "dist)"}, status_code=400)
-        if kind == "shm" and not _is_loopback(request.client.host if request.client else None):
+        if kind == "shm" and not is_loopback(request.client.host if request.client else None):
             return JSONResponse({"error": "the shm transport needs the trainer on the server's host"},
                                 status_code=400)
         for key in ("txid", "tensors"):
@@ -260,7 +250,7 @@ class HttpTarget(Target):
                            f"server's host (it writes {path})", kind="refused")
 
     def same_host(self) -> bool:
-        if _is_loopback(self.host):
+        if is_loopback(self.host):
             return True
         try:
             addrs = {a[4][0] for a in socket.getaddrinfo(self.host, None)}

@@ -11,11 +11,22 @@ one; :class:`HttpTarget` (:mod:`.http`) and :class:`RayTarget` (:mod:`.ray`) liv
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from typing import Any
 
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.coordinator import (coordinate_on, coordinate_on_async, coordinate_phase, rpc_error_to_refit,
                                             run_async, run_sync)
+
+
+def is_loopback(host: str | None) -> bool:
+    """A loopback address (or ``localhost``): out of reach of another host. None or empty: False."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class Target:
