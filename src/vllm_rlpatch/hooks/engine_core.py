@@ -39,7 +39,7 @@ import weakref
 from typing import Any, Callable, NamedTuple
 
 from vllm_rlpatch import _wrapping, compat
-from vllm_rlpatch.hooks import inflight, mixed, weights
+from vllm_rlpatch.hooks import inflight, mixed, weights, workerctx
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -311,7 +311,11 @@ class Guard:
             return None
         core = self.core
         try:
-            states = core.model_executor.collective_rpc(mixed.STATE_RPC)
+            # after an update's last RPC the workers' RPC readers rest instead of spinning (workerctx)
+            rest = method in update_method_names() or method == REFIT_ABORT
+            states = core.model_executor.collective_rpc(mixed.STATE_RPC, kwargs={"rest": True} if rest else None)
+            if rest:
+                workerctx.rest_response_readers(core.model_executor)
         except Exception as e:  # no rlpatch worker extension in this engine
             self.can_query = False
             logger.warning("vllm-rlpatch: cannot read the workers' weight version (%s: %s); weight updates are "

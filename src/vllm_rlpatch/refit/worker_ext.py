@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from vllm_rlpatch import _role, registry
-from vllm_rlpatch.hooks import mixed, weights
+from vllm_rlpatch.hooks import mixed, weights, workerctx
 from vllm_rlpatch.patches.worker_extension import COMPOSE_PREFIX, QUALNAME, compose_qualname  # noqa: F401
 from vllm_rlpatch.refit import memory, transaction
 from vllm_rlpatch.versions import vllm_info
@@ -43,9 +43,14 @@ class RLPatchWorkerExtension:
         weights.settle(self)
         return weights.weight_version(self)
 
-    def rlpatch_weight_state(self) -> dict[str, Any]:
+    def rlpatch_weight_state(self, rest: bool = False) -> dict[str, Any]:
         """This worker's weight version and mixed-weights state, as data (never raises for mixed weights):
-        what the engine core and the front end ask after an update RPC failed."""
+        what the engine core asks after every RPC that may change weights, and the front end after an update
+        RPC failed. ``rest``: the engine core asks it after an update's commit or abort (the update's last RPC
+        but the release): this worker's RPC reader then waits idle instead of spinning for a second
+        (:func:`~vllm_rlpatch.hooks.workerctx.rest_rpc_reader`)."""
+        if rest:
+            workerctx.rest_rpc_reader()
         try:
             weights.settle(self, raise_mixed=False)
         except Exception:  # closing a half-loaded direct-load session failed: the state below says what it left
@@ -84,7 +89,10 @@ class RLPatchWorkerExtension:
         return weights.weight_version(self)
 
     def rlpatch_refit_release(self, txid: str) -> dict[str, Any]:
-        return transaction.for_worker(self).release(txid)
+        try:
+            return transaction.for_worker(self).release(txid)
+        finally:  # a fleet's last RPC (read-only: no weight-state RPC follows it)
+            workerctx.rest_rpc_reader()
 
     def rlpatch_refit_layout(self) -> dict[str, Any]:
         """The engine layout for zero-pack CUDA IPC updates (``vllm_rlpatch.refit.EngineLayout``)."""
