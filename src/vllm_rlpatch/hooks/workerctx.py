@@ -66,7 +66,6 @@ def lora_unwrapped(model):
             parent._modules[child_name] = child
 
 
-
 def _rest(mq: Any) -> bool:
     """Date a vLLM ``MessageQueue`` reader's last read back: its next wait sleeps on its socket at once."""
     spin = getattr(mq, "_spin_condition", None)
