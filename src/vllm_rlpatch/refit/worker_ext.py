@@ -46,8 +46,8 @@ class RLPatchWorkerExtension:
     def rlpatch_weight_state(self, rest: bool = False) -> dict[str, Any]:
         """This worker's weight version and mixed-weights state, as data (never raises for mixed weights):
         what the engine core asks after every RPC that may change weights, and the front end after an update
-        RPC failed. ``rest``: the engine core asks it after an update's commit or abort (the update's last RPC
-        but the release): this worker's RPC reader then waits idle instead of spinning for a second
+        RPC failed. ``rest``: the engine core asks it after an update's abort or a commit that failed (the
+        update's last RPC): this worker's RPC reader then waits idle instead of spinning for a second
         (:func:`~vllm_rlpatch.hooks.workerctx.rest_rpc_reader`)."""
         if rest:
             workerctx.rest_rpc_reader()
@@ -71,7 +71,12 @@ class RLPatchWorkerExtension:
                              final: bool = True) -> dict[str, Any]:
         if request is not None:
             weights.settle(self, raise_mixed=False)
-        return transaction.for_worker(self).commit(txid, version=version, release=release, request=request, final=final)
+        try:
+            return transaction.for_worker(self).commit(txid, version=version, release=release, request=request,
+                                                       final=final)
+        finally:
+            if release:  # the update's last RPC (else a release or an abort follows, and rests the reader)
+                workerctx.rest_rpc_reader()
 
     def rlpatch_refit_inject_fault(self, where: str) -> dict[str, Any]:
         """Testing only (``VLLM_RLPATCH_FAULT_INJECTION=1``): arm a fault in this worker's next refit."""
