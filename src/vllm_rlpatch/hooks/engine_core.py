@@ -80,6 +80,7 @@ _READ_ONLY = frozenset({"rlpatch_ping", "rlpatch_status", "rlpatch_weight_versio
 REFIT_PREPARE = "rlpatch_refit_prepare"
 REFIT_COMMIT = "rlpatch_refit_commit"
 REFIT_ABORT = "rlpatch_refit_abort"
+REFIT_RELEASE = "rlpatch_refit_release"
 REFIT_RPCS = frozenset({REFIT_PREPARE, REFIT_COMMIT, REFIT_ABORT})
 
 
@@ -252,6 +253,12 @@ class Guard:
                 out.extend(q)
         return out
 
+    def idle(self) -> bool:
+        """No request scheduled: an update's last RPC may rest the RPC readers (:mod:`.workerctx`). Never while
+        requests run: vLLM writes a worker's replies from more than one thread while it generates, and a reader
+        sent to sleep then can miss its wake-up (seen: an execute_model reply waited out its 300 s timeout)."""
+        return self.scheduler is not None and not self.running() and not self.waiting()
+
     def updated(self, source: str, new_worker_version: int | None = None) -> UpdateInfo:
         prev = self.version
         self.version += 1
@@ -318,12 +325,12 @@ class Guard:
             version, final = said
             if version > self.worker_version:
                 self.updated(f"collective_rpc:{method}", version)
-            if final:  # the readers rest (the workers' own: in their commit, or in the release that follows)
+            if final and self.idle():  # the readers rest (the workers': in their commit, or the release after it)
                 workerctx.rest_response_readers(core.model_executor)
             return None
         try:
             # after an update's last RPC the workers' RPC readers rest instead of spinning (workerctx)
-            rest = method in update_method_names() or method == REFIT_ABORT
+            rest = (method in update_method_names() or method == REFIT_ABORT) and self.idle()
             states = core.model_executor.collective_rpc(mixed.STATE_RPC, kwargs={"rest": True} if rest else None)
             if rest:
                 workerctx.rest_response_readers(core.model_executor)
@@ -462,8 +469,18 @@ def _rpc_parts(args, kwargs) -> tuple[str, tuple, dict]:
     return method, tuple(rargs or ()), dict(rkw or {})
 
 
+def _with_rpc_kwargs(args: tuple, kwargs: dict, extra: dict) -> tuple[tuple, dict]:
+    """``EngineCore.collective_rpc``'s arguments with ``extra`` added to the RPC's own kwargs."""
+    if len(args) > 3:
+        return args[:3] + ({**(args[3] or {}), **extra},) + args[4:], kwargs
+    return args, {**kwargs, "kwargs": {**(kwargs.get("kwargs") or {}), **extra}}
+
+
 def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
     method, rargs, rkw = _rpc_parts(args, kwargs)
+    if method in (REFIT_COMMIT, REFIT_RELEASE):
+        # the update's last RPC rests the workers' RPC readers, only while no request is scheduled (Guard.idle)
+        args, kwargs = _with_rpc_kwargs(args, kwargs, {"rest": guard_for(instance).idle()})
     if method in _READ_ONLY:
         return wrapped(*args, **kwargs)
     g = guard_for(instance)

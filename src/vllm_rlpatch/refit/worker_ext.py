@@ -47,8 +47,8 @@ class RLPatchWorkerExtension:
         """This worker's weight version and mixed-weights state, as data (never raises for mixed weights):
         what the engine core asks after every RPC that may change weights, and the front end after an update
         RPC failed. ``rest``: the engine core asks it after an update's abort or a commit that failed (the
-        update's last RPC): this worker's RPC reader then waits idle instead of spinning for a second
-        (:func:`~vllm_rlpatch.hooks.workerctx.rest_rpc_reader`)."""
+        update's last RPC), while no request is scheduled: this worker's RPC reader then waits idle instead of
+        spinning for a second (:func:`~vllm_rlpatch.hooks.workerctx.rest_rpc_reader`)."""
         if rest:
             workerctx.rest_rpc_reader()
         try:
@@ -68,14 +68,16 @@ class RLPatchWorkerExtension:
 
     def rlpatch_refit_commit(self, txid: str, version: int | None = None, release: bool = True,
                              inflight: str | None = None, request: dict[str, Any] | None = None,
-                             final: bool = True) -> dict[str, Any]:
+                             final: bool = True, rest: bool = False) -> dict[str, Any]:
+        """``rest`` (the engine core adds it while no request is scheduled): a commit that ends the update
+        (``release``) rests this worker's RPC reader (:func:`~vllm_rlpatch.hooks.workerctx.rest_rpc_reader`)."""
         if request is not None:
             weights.settle(self, raise_mixed=False)
         try:
             return transaction.for_worker(self).commit(txid, version=version, release=release, request=request,
                                                        final=final)
         finally:
-            if release:  # the update's last RPC (else a release or an abort follows, and rests the reader)
+            if release and rest:  # the update's last RPC (else a release or an abort follows)
                 workerctx.rest_rpc_reader()
 
     def rlpatch_refit_inject_fault(self, where: str) -> dict[str, Any]:
@@ -93,11 +95,12 @@ class RLPatchWorkerExtension:
             weights.fire(self, "rlpatch_refit_align", "worker", version=int(version))
         return weights.weight_version(self)
 
-    def rlpatch_refit_release(self, txid: str) -> dict[str, Any]:
+    def rlpatch_refit_release(self, txid: str, rest: bool = False) -> dict[str, Any]:
         try:
             return transaction.for_worker(self).release(txid)
-        finally:  # a fleet's last RPC (read-only: no weight-state RPC follows it)
-            workerctx.rest_rpc_reader()
+        finally:  # a fleet's last RPC (read-only: no weight-state RPC follows it); ``rest`` as in commit
+            if rest:
+                workerctx.rest_rpc_reader()
 
     def rlpatch_refit_layout(self) -> dict[str, Any]:
         """The engine layout for zero-pack CUDA IPC updates (``vllm_rlpatch.refit.EngineLayout``)."""
