@@ -255,8 +255,9 @@ class Guard:
 
     def idle(self) -> bool:
         """No request scheduled: an update's last RPC may rest the RPC readers (:mod:`.workerctx`). Never while
-        requests run: vLLM writes a worker's replies from more than one thread while it generates, and a reader
-        sent to sleep then can miss its wake-up (seen: an execute_model reply waited out its 300 s timeout)."""
+        requests run: resting them mid-generation (an update with ``inflight="keep"``, vLLM 0.20.2) left an
+        ``execute_model`` reply unread until its 300 s timeout, a missed wake-up whose cause inside vLLM was not
+        pinned down. While idle the readers sleep as vLLM's own do after a second without a read."""
         return self.scheduler is not None and not self.running() and not self.waiting()
 
     def updated(self, source: str, new_worker_version: int | None = None) -> UpdateInfo:
