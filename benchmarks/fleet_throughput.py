@@ -1,16 +1,17 @@
 """Fleet update throughput: ``push_weights([llm_0, ..., llm_{N-1}], tensors)`` on CPU for N = 1 .. 4 engines in one
 process, over ``shm`` and ``dist``, on the installed vLLM.
 
-    python benchmarks/fleet_throughput.py [--out FILE.json] [--max-engines 4] [--rounds 5] [--transports shm,dist]
+    python benchmarks/fleet_throughput.py [--out FILE.json] [--max-engines 4] [--rounds 7] [--transports shm,dist]
                                           [--settle 1.5] [--device cpu|cuda] [--shape fleet|8b|...] [--gpu-mem 0.35]
 
 A Llama-shaped model (~137 MB of bf16 weights: hidden 1024, 6 layers; dummy weights, nothing is downloaded) in
 ``--max-engines`` engines started once (dtype bfloat16, max_model_len 256, kv_cache_memory_bytes 256 MiB,
 enforce_eager; ``VLLM_ENABLE_V1_MULTIPROCESSING`` as in the environment, default on: each engine's worker in its
 own engine-core process, as in tests/test_fleet.py). For each N the first N engines take complete updates of
-seeded random weights, the transports interleaved per round, each update once after ``--settle`` seconds of quiet
-(the trainer's step between two updates in an RL loop) and once straight after the previous update (back to
-back), interleaved too. Per N, transport and mode, medians over the rounds of:
+seeded random weights. Every round takes every N (in a rotating order, so that the fleet sizes compared see the
+same drift of the host), each transport, and each update once after ``--settle`` seconds of quiet (the trainer's
+step between two updates in an RL loop) and once straight after the previous update (back to back), all
+interleaved. Per N, transport and mode, medians over the rounds of:
 
 * the trainer-side stages of the fleet report (``pack`` for shm: packed once for every engine; ``fingerprint``
   and ``send`` for dist: one broadcast group spanning every engine's worker, ``send`` from the group formed to
@@ -20,7 +21,8 @@ back), interleaved too. Per N, transport and mode, medians over the rounds of:
 * the whole update (``total_s``);
 * the same bytes pushed to the same engines one after another (``push_weights(llm, ...)`` per engine, settled
   first): ``sequential_s``, and ``fleet_over_sequential`` = total_s / sequential_s;
-* one copy of the same bytes on the device (``copy_s``: memcpy on CPU, a device-to-device copy on a GPU).
+* one copy of the same bytes on the device (``copy_s``: memcpy on CPU, a device-to-device copy on a GPU);
+* the trainer process's garbage-collection pauses during each update (``samples_gc_s``).
 
 ``--device cuda`` (the GPU run of issue 21: two engines on one GPU, ``--max-engines 2 --shape 8b --gpu-mem 0.35
 --transports cuda_ipc``): the trainer's weights on the GPU, every engine on the same GPU with
@@ -75,6 +77,7 @@ def summarize(reps: list[dict], n: int) -> dict:
         "total_s": median([r["seconds"] for r in reps]),
         "samples_total_s": [r["seconds"] for r in reps],
         "samples_trainer_s": trainer,
+        "samples_gc_s": [r.get("gc_s") for r in reps],
         "guarantee": reps[-1]["engines"][0]["guarantee"] if reps else None,
         "path": reps[-1]["engines"][0]["path"] if reps else None,
         "buckets": reps[-1]["buckets"] if reps else None,
@@ -85,7 +88,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="default: benchmarks/results/fleet_throughput-vllm<ver>-cpu.json")
     ap.add_argument("--max-engines", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--transports", default=None, help="default: shm,dist on cpu, cuda_ipc on cuda")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--shape", default="fleet", help="fleet (~137 MB, default) or a shape of refit_throughput.py")
@@ -159,26 +162,33 @@ def main() -> int:
     print(f"[fleet-bench] vLLM {vllm.__version__}: {len(weights)} tensors, {nbytes / 1e6:.1f} MB, "
           f"{args.max_engines} engines, transports {transports}, {args.rounds} rounds", flush=True)
 
+    gc_watch = GcWatch()
     results: dict = {m: {t: {} for t in transports} for m in modes}
-    for n in range(1, args.max_engines + 1):
-        fleet = llms[:n]
-        # warm-up: the first update of this fleet (its shared-memory segments, each new engine's first update)
+    sizes = list(range(1, args.max_engines + 1))
+    # warm-up: the first update of each fleet (its shared-memory segments, each new engine's first update)
+    for n in sizes:
         for tr in transports:
-            rep = push_weights(fleet, weights, transport=tr, timeout_s=args.timeout_s)
+            rep = push_weights(llms[:n], weights, transport=tr, timeout_s=args.timeout_s)
             print(f"[fleet-bench] N={n} {tr} warm-up {rep.seconds:.3f} s", flush=True)
-        reps: dict = {m: {t: [] for t in transports} for m in modes}
-        seq: dict = {t: [] for t in transports}
-        for r in range(args.rounds):
+    reps: dict = {n: {m: {t: [] for t in transports} for m in modes} for n in sizes}
+    seq: dict = {n: {t: [] for t in transports} for n in sizes}
+    # every round takes every fleet size, in a rotating order: the sizes compared see the same host drift
+    for r in range(args.rounds):
+        order_n = sizes[r % len(sizes):] + sizes[:r % len(sizes)]
+        for n in order_n:
+            fleet = llms[:n]
             order = transports[r % len(transports):] + transports[:r % len(transports)]
             morder = list(modes)[r % 2:] + list(modes)[:r % 2]
             for tr in order:
                 for m in morder:
                     if modes[m]:
                         time.sleep(modes[m])
+                    gc_watch.reset()
                     rep = push_weights(fleet, weights, transport=tr, timeout_s=args.timeout_s).as_dict()
-                    reps[m][tr].append(rep)
+                    rep["gc_s"], rep["gc_collections"] = gc_watch.seconds, gc_watch.collections
+                    reps[n][m][tr].append(rep)
                     trainer = sum(rep["stages"].get(k, 0.0) for k in TRAINER_STAGES)
-                    print(f"[fleet-bench] N={n} {tr} {m} round {r + 1}/{args.rounds}: total {rep['seconds']:.3f} s, "
+                    print(f"[fleet-bench] round {r + 1}/{args.rounds} N={n} {tr} {m}: total {rep['seconds']:.3f} s, "
                           f"trainer {trainer:.3f} s, slowest {rep['slowest']} {rep['slowest_seconds']:.3f} s",
                           flush=True)
                 if n > 1:  # the same engines one after another, each its own update (settled first)
@@ -186,16 +196,17 @@ def main() -> int:
                     t1 = time.perf_counter()
                     for llm in fleet:
                         push_weights(llm, weights, transport=tr, timeout_s=args.timeout_s)
-                    seq[tr].append(time.perf_counter() - t1)
-                    print(f"[fleet-bench] N={n} {tr} sequential round {r + 1}/{args.rounds}: {seq[tr][-1]:.3f} s",
+                    seq[n][tr].append(time.perf_counter() - t1)
+                    print(f"[fleet-bench] round {r + 1}/{args.rounds} N={n} {tr} sequential: {seq[n][tr][-1]:.3f} s",
                           flush=True)
+    for n in sizes:
         for m in modes:
             for tr in transports:
-                results[m][tr][str(n)] = summarize(reps[m][tr], n)
+                results[m][tr][str(n)] = summarize(reps[n][m][tr], n)
         for tr in transports:  # the sequential pushes are settled: set beside the settled fleet updates
             row = results["settled"][tr][str(n)]
-            row["sequential_s"] = median(seq[tr]) if n > 1 else row["total_s"]
-            row["samples_sequential_s"] = seq[tr]
+            row["sequential_s"] = median(seq[n][tr]) if n > 1 else row["total_s"]
+            row["samples_sequential_s"] = seq[n][tr]
             row["fleet_over_sequential"] = row["total_s"] / row["sequential_s"] if row["sequential_s"] else None
     res["results"] = results["settled"]
     res["results_back_to_back"] = results["back_to_back"]
@@ -223,6 +234,28 @@ def main() -> int:
         json.dump(res, fh, indent=1, default=str)
     print(f"[fleet-bench] wrote {out}", flush=True)
     return 0
+
+
+class GcWatch:
+    """The trainer process's garbage-collection pauses during one update (``gc.callbacks``): seconds and count
+    of collections by generation, to tell a collection from the engines' load in a slow round."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.reset()
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+
+    def reset(self) -> None:
+        self.seconds, self.collections = 0.0, [0, 0, 0]
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections[info.get("generation", 0)] += 1
 
 
 def copy_time(nbytes: int, device: str, reps: int = 5) -> float:

@@ -7,8 +7,10 @@ shm_broadcast.py), which on a host with fewer cores than engine processes takes 
 One engine (the embedded llama-tiny, CPU or GPU as vLLM picks). Two measurements, each process's CPU seconds
 from /proc/PID/stat:
 * ``after_rpc``: the 2 s after a no-op ``collective_rpc``, in 0.25 s steps (the worker spins, then stops);
-* ``waiting``: an RPC whose worker sleeps 0.8 s, once right after another RPC and once after 2.5 s of quiet (the
-  engine core spins while it waits for its worker's reply only in the first case).
+* ``after_push``: the same after ``push_weights`` of random weights (the update's last RPC rests the reader);
+* ``waiting``: an RPC whose worker sleeps 0.8 s, right after another RPC, right after a ``push_weights``, and after
+  2.5 s of quiet (the engine core spins while it waits for its worker's reply in the first case only: the update
+  rests its reader too).
 Writes JSON (default benchmarks/results/rpc_spin-vllm<ver>.json) and prints it. Timing is reported, never asserted.
 """
 
@@ -19,6 +21,8 @@ import json
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def cpu_of(pid: int) -> float:
@@ -60,11 +64,30 @@ def main() -> int:
                       "cpu_s": {procs[p]: round(cpu_of(p) - base[p], 3) for p in procs}})
     res["after_rpc"] = steps
     print(f"[rpc-spin] after a no-op RPC: {steps[-1]}", flush=True)
+    # the same after an update: its last RPC rests the readers (vllm_rlpatch.hooks.workerctx.rest_rpc_reader)
+    import refit_throughput as RT
+
+    from vllm_rlpatch.refit import push_weights
+
+    weights = RT.trainer_state(llm.collective_rpc("rlpatch_refit_describe")[0]["schema"], "cpu")
+    push_weights(llm, weights)  # the first update (plans, segments)
+    time.sleep(2.5)
+    push_weights(llm, weights)
+    base = {p: cpu_of(p) for p in procs}
+    t0, steps = time.time(), []
+    for _ in range(8):
+        time.sleep(0.25)
+        steps.append({"t": round(time.time() - t0, 2),
+                      "cpu_s": {procs[p]: round(cpu_of(p) - base[p], 3) for p in procs}})
+    res["after_push"] = steps
+    print(f"[rpc-spin] after push_weights: {steps[-1]}", flush=True)
     res["waiting"] = {}
-    for label, pre in (("right_after_an_rpc", True), ("after_2.5_s_quiet", False)):
+    for label, pre in (("right_after_an_rpc", "rpc"), ("right_after_a_push", "push"), ("after_2.5_s_quiet", None)):
         time.sleep(2.5)
-        if pre:
+        if pre == "rpc":
             llm.collective_rpc("rlpatch_refit_describe")
+        elif pre == "push":
+            push_weights(llm, weights)
         base = {p: cpu_of(p) for p in procs}
         t1 = time.time()
         llm.collective_rpc(nap)

@@ -41,6 +41,14 @@ def test_a_good_update_lands_on_both_engines_at_one_version(run):
     assert m["token_mult_prob_error"] <= 1.02, m
 
 
+def test_after_an_update_the_engines_wait_idle_instead_of_spinning(run):
+    # vLLM's shm-broadcast reader polls with sched_yield for 1 s after each read (shm_broadcast.py): after a
+    # no-op RPC both workers spin; the update's last RPC dates their last read back (hooks.workerctx)
+    ping, push = run["steps"]["cpu_after_ping"], run["steps"]["cpu_after_push"]
+    assert ping["cpu_s"] >= 0.3 * ping["wait_s"], ping  # the spin this removes (the two cores, 2 workers)
+    assert push["cpu_s"] <= 0.15 * push["wait_s"], push
+
+
 def test_a_refusal_in_one_engines_prepare_changes_neither(run):
     s = run["steps"]
     assert s["arm_prepare"]["ok"], s["arm_prepare"]

@@ -6,7 +6,8 @@ list); prints `RESULT {...}`.
 Steps (each recorded under its name): a good update, a refusal in one engine's prepare, a failure after the
 first write in one engine at `rollback` and at `validate-then-write`, a good update after that, the same
 over `dist` (a good update, a refusal in one engine's prepare, a good update back), and last an engine
-killed (SIGKILL of its engine-core process) before an update. Run with VLLM_RLPATCH_FAULT_INJECTION=1 and the
+killed (SIGKILL of its engine-core process) before an update. The engines' CPU seconds right after a no-op
+RPC and right after the first update (the update rests vLLM's spinning RPC readers). Run with VLLM_RLPATCH_FAULT_INJECTION=1 and the
 test's worker extension (snapshots) on PYTHONPATH.
 """
 
@@ -63,8 +64,32 @@ def main():
     def arm(i, where):
         return llms[i].collective_rpc("rlpatch_refit_inject_fault", args=(where,))[0]
 
+    def engine_cpu_after(fn, wait=0.6):
+        """CPU seconds of this process's engine processes (engine cores, workers) in the ``wait`` seconds after
+        ``fn`` returned: vLLM's shm-broadcast readers spin for 1 s after an RPC unless the update rested them."""
+        import psutil
+
+        kids = psutil.Process().children(recursive=True)
+
+        def cpu():
+            tot = 0.0
+            for k in kids:
+                try:
+                    t = k.cpu_times()
+                    tot += t.user + t.system
+                except psutil.Error:
+                    pass
+            return tot
+
+        fn()
+        c0 = cpu()
+        time.sleep(wait)
+        return {"cpu_s": cpu() - c0, "wait_s": wait, "processes": len(kids)}
+
     gen("g0")
-    push("push_B", "B")
+    # after a no-op RPC the engines' workers spin (vLLM's reader); after an update they wait idle
+    steps["cpu_after_ping"] = engine_cpu_after(lambda: [llm.collective_rpc("rlpatch_ping") for llm in llms])
+    steps["cpu_after_push"] = engine_cpu_after(lambda: push("push_B", "B"))
     versions("v_B")
     gen("g_B")
     fp("fp_B")

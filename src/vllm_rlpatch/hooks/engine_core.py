@@ -39,7 +39,7 @@ import weakref
 from typing import Any, Callable, NamedTuple
 
 from vllm_rlpatch import _wrapping, compat
-from vllm_rlpatch.hooks import inflight, mixed, weights
+from vllm_rlpatch.hooks import inflight, mixed, weights, workerctx
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -80,6 +80,7 @@ _READ_ONLY = frozenset({"rlpatch_ping", "rlpatch_status", "rlpatch_weight_versio
 REFIT_PREPARE = "rlpatch_refit_prepare"
 REFIT_COMMIT = "rlpatch_refit_commit"
 REFIT_ABORT = "rlpatch_refit_abort"
+REFIT_RELEASE = "rlpatch_refit_release"
 REFIT_RPCS = frozenset({REFIT_PREPARE, REFIT_COMMIT, REFIT_ABORT})
 
 
@@ -252,6 +253,13 @@ class Guard:
                 out.extend(q)
         return out
 
+    def idle(self) -> bool:
+        """No request scheduled: an update's last RPC may rest the RPC readers (:mod:`.workerctx`). Never while
+        requests run: resting them mid-generation (an update with ``inflight="keep"``, vLLM 0.20.2) left an
+        ``execute_model`` reply unread until its 300 s timeout, a missed wake-up whose cause inside vLLM was not
+        pinned down. While idle the readers sleep as vLLM's own do after a second without a read."""
+        return self.scheduler is not None and not self.running() and not self.waiting()
+
     def updated(self, source: str, new_worker_version: int | None = None) -> UpdateInfo:
         prev = self.version
         self.version += 1
@@ -293,9 +301,10 @@ class Guard:
         if self.scheduler is not None:
             self.abort_running("the weights are a mix of old and new after a failed update")
 
-    def check_workers(self, method: str) -> mixed.MixedWeights | None:
+    def check_workers(self, method: str, result: Any = None) -> mixed.MixedWeights | None:
         """After an RPC: did the workers' weight version move, and do they hold mixed weights? (asked as data:
-        the in-process worker directly, others with one ``rlpatch_weight_state`` RPC)."""
+        the in-process worker directly; a refit commit every rank answered ``ok`` from its answers, ``result``;
+        others with one ``rlpatch_weight_state`` RPC)."""
         if self.in_process_worker is not None:
             try:
                 weights.settle(self.in_process_worker, raise_mixed=False)
@@ -310,8 +319,22 @@ class Guard:
                 self.updated(f"collective_rpc:{method}")
             return None
         core = self.core
+        said = _commit_answers(method, result)
+        if said is not None:
+            # every rank committed (or wrote a session's part) and said its version: no RPC (one round trip less
+            # per update, and no wake of every worker's reader after it)
+            version, final = said
+            if version > self.worker_version:
+                self.updated(f"collective_rpc:{method}", version)
+            if final and self.idle():  # the readers rest (the workers': in their commit, or the release after it)
+                workerctx.rest_response_readers(core.model_executor)
+            return None
         try:
-            states = core.model_executor.collective_rpc(mixed.STATE_RPC)
+            # after an update's last RPC the workers' RPC readers rest instead of spinning (workerctx)
+            rest = (method in update_method_names() or method == REFIT_ABORT) and self.idle()
+            states = core.model_executor.collective_rpc(mixed.STATE_RPC, kwargs={"rest": True} if rest else None)
+            if rest:
+                workerctx.rest_response_readers(core.model_executor)
         except Exception as e:  # no rlpatch worker extension in this engine
             self.can_query = False
             logger.warning("vllm-rlpatch: cannot read the workers' weight version (%s: %s); weight updates are "
@@ -418,6 +441,22 @@ def guard_for(core: Any, create: bool = True) -> Guard | None:
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
+def _commit_answers(method: str, result: Any) -> tuple[int, bool] | None:
+    """(version, final) when ``result`` is a refit commit every rank answered ``ok``: ``committed`` with its
+    version (final), or a session's part ``writing`` (the version unchanged: 0). None: ask the workers."""
+    if method != REFIT_COMMIT or not isinstance(result, list) or not result:
+        return None
+    if not all(isinstance(r, dict) and r.get("ok") for r in result):
+        return None
+    states = {r.get("state") for r in result}
+    if states == {"writing"}:
+        return 0, False
+    versions = [r.get("version") for r in result]
+    if states == {"committed"} and all(isinstance(v, int) for v in versions):
+        return max(versions), True
+    return None
+
+
 def _rpc_name(args, kwargs) -> str:
     method = args[0] if args else kwargs.get("method")
     return method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
@@ -431,8 +470,18 @@ def _rpc_parts(args, kwargs) -> tuple[str, tuple, dict]:
     return method, tuple(rargs or ()), dict(rkw or {})
 
 
+def _with_rpc_kwargs(args: tuple, kwargs: dict, extra: dict) -> tuple[tuple, dict]:
+    """``EngineCore.collective_rpc``'s arguments with ``extra`` added to the RPC's own kwargs."""
+    if len(args) > 3:
+        return args[:3] + ({**(args[3] or {}), **extra},) + args[4:], kwargs
+    return args, {**kwargs, "kwargs": {**(kwargs.get("kwargs") or {}), **extra}}
+
+
 def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
     method, rargs, rkw = _rpc_parts(args, kwargs)
+    if method in (REFIT_COMMIT, REFIT_RELEASE):
+        # the update's last RPC rests the workers' RPC readers, only while no request is scheduled (Guard.idle)
+        args, kwargs = _with_rpc_kwargs(args, kwargs, {"rest": guard_for(instance).idle()})
     if method in _READ_ONLY:
         return wrapped(*args, **kwargs)
     g = guard_for(instance)
@@ -465,7 +514,7 @@ def _collective_rpc_wrapper(wrapped, instance, args, kwargs):
         mixed_after = None
         if method != REFIT_PREPARE:  # prepare writes nothing
             try:
-                mixed_after = g.check_workers(method)
+                mixed_after = g.check_workers(method, result)
             except Exception:
                 logger.exception("vllm-rlpatch: weight-version check after collective_rpc(%r) failed", method)
             if mixed_after is not None:

@@ -4,6 +4,8 @@ loaders expect (the current vLLM config; a LoRA engine's base layers under their
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from typing import Any
 
 
@@ -63,3 +65,50 @@ def lora_unwrapped(model):
     finally:
         for parent, child_name, child in swaps:
             parent._modules[child_name] = child
+
+
+# How long a rested reader still spins: a message written within this time is read without the socket's
+# wake-up. vLLM's writer notifies through a PUB socket with SNDHWM=1, and zmq refreshes a pipe's credit only when
+# the writing thread processes its commands, which it skips for ~1 ms after the last time: a second
+# notification within that window is dropped. A reader sent to sleep at once missed the RPC that came right
+# after (the engine core's weight-state RPC after a commit: both processes waiting forever, vLLM 0.25.1 CPU).
+# vLLM's own readers sleep only after busy_loop_s (1 s) without a read, long past that window.
+REST_GRACE_S = 0.05
+
+
+def _rest(mq: Any) -> bool:
+    """Shorten a vLLM ``MessageQueue`` reader's busy loop to :data:`REST_GRACE_S` from now."""
+    spin = getattr(mq, "_spin_condition", None)
+    if spin is None or not hasattr(spin, "last_read") or not hasattr(spin, "busy_loop_s"):
+        return False
+    spin.last_read = min(spin.last_read, time.monotonic() - spin.busy_loop_s + REST_GRACE_S)
+    return True
+
+
+def rest_rpc_reader() -> bool:
+    """Call at the end of a worker RPC that ends an update: this worker process's RPC reader waits idle for the
+    next RPC instead of spinning. After every read, vLLM's shared-memory broadcast reader polls with
+    ``sched_yield`` for ``busy_loop_s`` (1 s) before it sleeps on its socket (``SpinCondition.wait`` /
+    ``record_read`` in vllm/distributed/device_communicators/shm_broadcast.py, 0.20-0.32): a full core per
+    engine worker for a second after each update, the cores a trainer on a small host packs its next update on
+    (benchmarks/rpc_spin.py). The reader then spins :data:`REST_GRACE_S` more and sleeps; the executor's next
+    write wakes it through the socket it notifies on every write. The reader is the multiproc executor's
+    ``WorkerProc.rpc_broadcast_mq``, found on the frames calling this RPC (``worker_busy_loop`` /
+    ``_execute_worker_rpc``). Returns whether one was found (not with the uniproc or Ray executors)."""
+    f = sys._getframe(1)
+    for _ in range(32):
+        if f is None:
+            return False
+        owner = f.f_locals.get("self")
+        mq = getattr(owner, "rpc_broadcast_mq", None) if owner is not None else None
+        if mq is not None:
+            return _rest(mq)
+        f = f.f_back
+    return False
+
+
+def rest_response_readers(executor: Any) -> int:
+    """The engine core's side of :func:`rest_rpc_reader`: the multiproc executor reads its workers' replies
+    through ``response_mqs``, and spins while it waits for the next reply if its last read was less than a
+    second ago (the next update's prepare, while the trainer sends). Returns how many were rested."""
+    return sum(_rest(mq) for mq in (getattr(executor, "response_mqs", None) or ()))

@@ -511,7 +511,12 @@ def _end(engines: list[_Engine], new_version, cur, stages, t0, opts: api.Options
          ) -> FleetReport:
     live = [e for e in engines if not e.dead]
     cur = cur or {}
-    if state == "committed" or any(e.commit for e in engines):
+    said = {e.i: (e.commit or {}).get("version") for e in live}
+    if state == "committed" and all(v is not None for v in said.values()):
+        # as each engine's commit answered (no RPC after the release: it would wake every engine's workers, and
+        # vLLM's RPC readers spin for a second after a read on the cores the trainer works on)
+        final = {i: int(v) for i, v in said.items()}
+    elif state == "committed" or any(e.commit for e in engines):
         final = _versions(live, opts.timeout_s) if live else {}  # after a write: asked now
     else:  # nothing written: as each engine said in its prepare answer, and asked of those that did not say
         final = dict(cur)

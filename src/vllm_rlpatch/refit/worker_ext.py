@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from vllm_rlpatch import _role, registry
-from vllm_rlpatch.hooks import mixed, weights
+from vllm_rlpatch.hooks import mixed, weights, workerctx
 from vllm_rlpatch.patches.worker_extension import COMPOSE_PREFIX, QUALNAME, compose_qualname  # noqa: F401
 from vllm_rlpatch.refit import memory, transaction
 from vllm_rlpatch.versions import vllm_info
@@ -43,9 +43,14 @@ class RLPatchWorkerExtension:
         weights.settle(self)
         return weights.weight_version(self)
 
-    def rlpatch_weight_state(self) -> dict[str, Any]:
+    def rlpatch_weight_state(self, rest: bool = False) -> dict[str, Any]:
         """This worker's weight version and mixed-weights state, as data (never raises for mixed weights):
-        what the engine core and the front end ask after an update RPC failed."""
+        what the engine core asks after every RPC that may change weights, and the front end after an update
+        RPC failed. ``rest``: the engine core asks it after an update's abort or a commit that failed (the
+        update's last RPC), while no request is scheduled: this worker's RPC reader then waits idle instead of
+        spinning for a second (:func:`~vllm_rlpatch.hooks.workerctx.rest_rpc_reader`)."""
+        if rest:
+            workerctx.rest_rpc_reader()
         try:
             weights.settle(self, raise_mixed=False)
         except Exception:  # closing a half-loaded direct-load session failed: the state below says what it left
@@ -63,10 +68,17 @@ class RLPatchWorkerExtension:
 
     def rlpatch_refit_commit(self, txid: str, version: int | None = None, release: bool = True,
                              inflight: str | None = None, request: dict[str, Any] | None = None,
-                             final: bool = True) -> dict[str, Any]:
+                             final: bool = True, rest: bool = False) -> dict[str, Any]:
+        """``rest`` (the engine core adds it while no request is scheduled): a commit that ends the update
+        (``release``) rests this worker's RPC reader (:func:`~vllm_rlpatch.hooks.workerctx.rest_rpc_reader`)."""
         if request is not None:
             weights.settle(self, raise_mixed=False)
-        return transaction.for_worker(self).commit(txid, version=version, release=release, request=request, final=final)
+        try:
+            return transaction.for_worker(self).commit(txid, version=version, release=release, request=request,
+                                                       final=final)
+        finally:
+            if release and rest:  # the update's last RPC (else a release or an abort follows)
+                workerctx.rest_rpc_reader()
 
     def rlpatch_refit_inject_fault(self, where: str) -> dict[str, Any]:
         """Testing only (``VLLM_RLPATCH_FAULT_INJECTION=1``): arm a fault in this worker's next refit."""
@@ -83,8 +95,12 @@ class RLPatchWorkerExtension:
             weights.fire(self, "rlpatch_refit_align", "worker", version=int(version))
         return weights.weight_version(self)
 
-    def rlpatch_refit_release(self, txid: str) -> dict[str, Any]:
-        return transaction.for_worker(self).release(txid)
+    def rlpatch_refit_release(self, txid: str, rest: bool = False) -> dict[str, Any]:
+        try:
+            return transaction.for_worker(self).release(txid)
+        finally:  # a fleet's last RPC (read-only: no weight-state RPC follows it); ``rest`` as in commit
+            if rest:
+                workerctx.rest_rpc_reader()
 
     def rlpatch_refit_layout(self) -> dict[str, Any]:
         """The engine layout for zero-pack CUDA IPC updates (``vllm_rlpatch.refit.EngineLayout``)."""
