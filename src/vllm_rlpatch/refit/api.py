@@ -139,6 +139,38 @@ def _metas(tensors: list[tuple[str, torch.Tensor]]) -> list[P.TensorMeta]:
     return [P.TensorMeta(n, P.dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()) for n, t in tensors]
 
 
+@dataclasses.dataclass
+class _Sent:
+    """What the last ``cuda_ipc`` update to a target found about its tensors, reused when the next update
+    passes the very same tensor objects (a trainer that updates its parameters in place): their metadata,
+    already checked against ``schema``, their IPC handles and the update template's hash. Only weak
+    references to the tensors: the cache never keeps a trainer's memory alive."""
+
+    signature: tuple
+    refs: list
+    schema: Any
+    metas: list[P.TensorMeta]
+    handles: list[bytes] | None = None
+    static: Any = None
+
+
+_SENT: dict[Any, _Sent] = {}
+
+
+def _signature(tensors: list[tuple[str, torch.Tensor]], flags: tuple) -> tuple:
+    """Names, object identities, addresses, dtypes, shapes and strides (and the options that change the
+    metadata check): equal only when a cached entry's metadata and handles hold for ``tensors``."""
+    return flags + tuple((n, id(t), t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in tensors)
+
+
+def _sent_for(key: Any, tensors: list[tuple[str, torch.Tensor]], signature: tuple, schema: Any) -> _Sent | None:
+    hit = _SENT.get(key)
+    if hit is None or hit.schema is not schema or hit.signature != signature \
+            or any(r() is not t for r, (_, t) in zip(hit.refs, tensors)):
+        return None
+    return hit
+
+
 _SCHEMAS: "weakref.WeakKeyDictionary[Any, P.Schema]" = weakref.WeakKeyDictionary()
 _TEMPLATES: dict[Any, tuple[int, str]] = {}  # per target: (static hash, template key) the engine holds
 
@@ -225,12 +257,28 @@ class Outgoing:
         # the metadata is built and checked and the handles are made (send() reads its result)
         self._digests = checks.PendingDigests([t for _, t in self.tensors]) \
             if self.transport in ("cuda_ipc", "cuda_ipc_layout") and opts.verify else None
-        self.metas = _metas(self.tensors)
         self.stages: dict[str, float] = {}
         self.sender: Any = None
         self.host_bytes = 0
         t1 = time.perf_counter()
-        probs = P.validate_metadata(self.metas, schema, partial=opts.partial or session, allow_cast=opts.allow_cast)
+        # cuda_ipc with the same tensor objects as the last update to this target: their checked metadata and
+        # handles are reused (:class:`_Sent`); fingerprints and NaN counts are always this update's own
+        self._sent: _Sent | None = None
+        self._signature: tuple | None = None
+        if self.transport == "cuda_ipc":
+            self._signature = _signature(self.tensors, (bool(opts.partial or session), bool(opts.allow_cast),
+                                                        bool(fleet)))
+            self._sent = _sent_for(_tkey(tgt), self.tensors, self._signature, schema)
+        if self._sent is not None:
+            self.metas = self._sent.metas
+            for m in self.metas:
+                m.fingerprint = m.nonfinite = None
+            probs: list[dict[str, Any]] = []
+        else:
+            self.metas = _metas(self.tensors)
+            probs = P.validate_metadata(self.metas, schema, partial=opts.partial or session,
+                                        allow_cast=opts.allow_cast)
+        self.schema = schema
         self.stages["validate_metadata"] = time.perf_counter() - t1
         self.refused: dict[str, Any] | None = None
         if probs:
@@ -285,9 +333,14 @@ class Outgoing:
                                    kind="validation")
             t1 = time.perf_counter()
             if tr == "cuda_ipc":
-                handles = ipc_handles(self.tensors)
+                hit = self._sent
+                handles = hit.handles if hit is not None and hit.handles is not None else ipc_handles(self.tensors)
                 self.req["transport"] = {"kind": "cuda_ipc", "handles": handles}
                 self._template(handles)
+                if hit is None:
+                    hit = _SENT[_tkey(self.tgt)] = _Sent(self._signature, [weakref.ref(t) for _, t in self.tensors],
+                                                         self.schema, self.metas)
+                hit.handles, hit.static = handles, self._static
             else:
                 self.req["transport"] = {"kind": "cuda_ipc_layout", "handle": self.layout.handle(),
                                          "views": {n: list(v) for n, v in self.layout.spec_views.items()}}
@@ -323,7 +376,9 @@ class Outgoing:
         the engine keeps them (an update template) and later requests carry only the digests."""
         if self.opts.partial or self.req.get("session") or self.fleet:
             return
-        self._static = hash((tuple((m.name, m.dtype, tuple(m.shape)) for m in self.metas), tuple(handles)))
+        hit = self._sent
+        self._static = hit.static if hit is not None and hit.static is not None and hit.handles is handles else \
+            hash((tuple((m.name, m.dtype, tuple(m.shape)) for m in self.metas), tuple(handles)))
         known = _TEMPLATES.get(_tkey(self.tgt))
         if known is not None and known[0] == self._static:
             self.template_key = known[1]
