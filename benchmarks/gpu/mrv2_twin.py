@@ -16,6 +16,13 @@ Checks: `runner` (the engine ran Model Runner V2: vLLM's "Using V2 Model Runner"
 without failing, for a run on a CPU); `twin_matches` (every returned processed logprob within 1e-5 of the
 twin's, no token outside the twin's support); `rows_captured` (a captured logits row for every sampled token).
 Exit status 0 when every check passed, 1 otherwise (the JSON is written either way), 2 on bad arguments.
+
+`explain` (information, not a check): for every token over the tolerance in a setting without penalties, the row
+the engine's top-k/top-p stage received is rebuilt (logits / T, min-p masked in logit space) and given to vLLM's
+own `apply_top_k_top_p` (MRv2's call; on a GPU the Triton kernel topk_topp_triton.py) and to its PyTorch
+implementation: how many rows keep as many tokens as the engine did (from its returned logprob) with each.
+`--from DIR` redoes the comparison and `explain` from a kept run (`--keep DIR` of a GPU run: engine.log, logits.pt)
+on this machine; without a GPU the Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per setting (1-8, default 8)")
     ap.add_argument("--tokens", type=int, default=25, help="sampled tokens per request (default 25)")
     ap.add_argument("--keep", metavar="DIR", help="keep the spec, the captured logits and the engine's log here")
+    ap.add_argument("--from", dest="from_dir", metavar="DIR",
+                    help="no engine: read a kept run's engine.log and logits.pt (from --keep) and compare again")
     a = ap.parse_args(argv)
     if not 1 <= a.prompts <= len(PROMPTS) or a.tokens < 1:
         print(f"error: --prompts must be 1-{len(PROMPTS)} and --tokens >= 1", file=sys.stderr)
@@ -101,12 +110,25 @@ def main(argv=None) -> int:
     spec = {"engine": {"model": model_path(), "max_num_batched_tokens": 16384, "max_num_seqs": 1024,
                        "kv_cache_memory_bytes": 256 << 20},
             "requests": reqs, "capture": str(cap)}
-    say(f"engine: {len(reqs)} requests ({len(GRID)} settings x {a.prompts} prompts x {a.tokens} tokens)")
     t0 = time.perf_counter()
-    f = work / "spec.json"
-    f.write_text(json.dumps(spec))
-    r, log = run_script_args("support_engine.py", [str(f)], work, timeout=900)
-    (work / "engine.log").write_text(log)
+    if a.from_dir:
+        work = Path(a.from_dir)
+        cap = work / "logits.pt"
+        try:
+            log = (work / "engine.log").read_text()
+        except OSError as e:
+            print(f"error: --from {work}: {e.strerror}: {e.filename}", file=sys.stderr)
+            return 2
+        line = next((ln for ln in log.splitlines() if ln.startswith("RESULT ")), None)
+        r = json.loads(line[len("RESULT "):]) if line else None
+        out["from"] = str(work)
+        say(f"from {work}: {len(r['requests']) if r else 0} requests")
+    else:
+        say(f"engine: {len(reqs)} requests ({len(GRID)} settings x {a.prompts} prompts x {a.tokens} tokens)")
+        f = work / "spec.json"
+        f.write_text(json.dumps(spec))
+        r, log = run_script_args("support_engine.py", [str(f)], work, timeout=900)
+        (work / "engine.log").write_text(log)
     out["engine_s"] = round(time.perf_counter() - t0, 1)
     if r is None:
         out["failures"].append("engine")
@@ -114,7 +136,7 @@ def main(argv=None) -> int:
         return finish(False)
     mrv2 = MRV2_LOG in log
     runner = "mrv2" if mrv2 else "v1"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() or (a.from_dir and mrv2) else "cpu"
     out["checks"]["runner"] = {"ok": mrv2, "runner": runner, "log_line": MRV2_LOG if mrv2 else None,
                                "startup_s": r.get("startup_s"), "logprobs_mode": r.get("logprobs_mode")}
     if not mrv2 and not a.allow_v1:
@@ -178,9 +200,93 @@ def main(argv=None) -> int:
     own = res[runner]
     ok = own["tokens_over_tol"] == 0 and own["outside_support"] == 0 and own["returned_nonfinite"] == 0
     out["checks"]["twin_matches"] = {"ok": ok, "tolerance": TOL, "rules": res}
+    lp_own, _ = processed_logprobs(L, T, sps, prompt_token_ids=prompts, engine=engine, return_details=True)
+    out["explain"] = explain(L, T, R, sps, lp_own)
+    say(f"explain: {json.dumps({k: v for k, v in out['explain'].items() if k != 'rows'})}")
     if not ok:
         out["failures"].append("twin_matches")
     return finish(True)
+
+
+def _topk_topp_kernel():
+    """vLLM's top-k/top-p as MRv2 calls it (v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p: the Triton kernel
+    where Triton runs); on a CPU, topk_topp_triton.py's kernel under Triton's interpreter (its source loaded from
+    the installed vLLM against Triton itself, one interpreter-only spelling changed), or None."""
+    import importlib.util
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+        return "cuda", apply_top_k_top_p
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None, None
+    src_path = Path(importlib.util.find_spec("vllm").origin).parent / "v1/sample/ops/topk_topp_triton.py"
+    src = src_path.read_text().replace("from vllm.triton_utils import tl, triton",
+                                       "import triton\nimport triton.language as tl")
+    # the interpreter's tl.range yields Python ints
+    src = src.replace("row_id.to(tl.int64) * LOGITS_STRIDE_0", "tl.full((), row_id, tl.int64) * LOGITS_STRIDE_0")
+    d = Path(tempfile.mkdtemp(prefix="rlpatch-qrita-"))
+    (d / "_rlpatch_qrita.py").write_text(src)  # triton.jit reads the kernel's source from its file
+    sys.path.insert(0, str(d))
+    import _rlpatch_qrita as q
+
+    def apply(x, k, p):
+        n = 4
+        q._topk_topp(x, x.new_empty((n, x.shape[1])), x.new_tensor(q._PERCENTILE_TO_STD_TABLE),
+                     x.new_tensor(q._NORMAL_CDF_TO_SIGMA_TABLE), k, p, float("-inf"), n)
+        return x
+    return "cpu (Triton interpreter)", apply
+
+
+def explain(L, T, R, sps, lp) -> dict:
+    """Rows of the tokens over the tolerance (settings without penalties): the kept count the engine used (the
+    smallest prefix, by value, whose log-sum-exp gives its returned logprob), vLLM's kernel's and vLLM's PyTorch
+    implementation's on the rebuilt row."""
+    import math
+
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    over = ((lp.double() - R).abs() > TOL) & torch.isfinite(R)
+    rows, ks, ps, engine_n, finite_n, where = [], [], [], [], [], []
+    for b, j in over.nonzero().tolist():
+        sp = sps[b]
+        if "repetition_penalty" in sp:
+            continue
+        x = L[b, j].float() / sp["temperature"]
+        if sp["min_p"] > 0:  # MRv2 min_p.py: logits < max + log(min_p) -> -inf
+            x = torch.where(x < x.max() + math.log(sp["min_p"]), torch.full_like(x, -math.inf), x)
+        log_z = float(x[int(T[b, j])]) - float(R[b, j])  # log-sum-exp of what the engine kept
+        cum = torch.logcumsumexp(x.sort(descending=True).values, 0)
+        engine_n.append(int((cum - log_z).abs().argmin()) + 1)
+        finite_n.append(int(torch.isfinite(x).sum()))
+        rows.append(x)
+        ks.append(sp["top_k"] or x.shape[0])
+        ps.append(sp["top_p"])
+        where.append(label(sp))
+    out: dict = {"tokens_over_tol": int(over.sum()), "rows_without_penalties": len(rows)}
+    if not rows:
+        return out
+    X = torch.stack(rows)
+    k, p = torch.tensor(ks, dtype=torch.int32), torch.tensor(ps, dtype=torch.float32)
+    torch_n = torch.isfinite(apply_top_k_top_p_pytorch(X.clone(), k.long(), p, allow_cpu_sync=True)).sum(1).tolist()
+    out.update(engine_kept_equals_torch=sum(a == b for a, b in zip(engine_n, torch_n)),
+               engine_minus_torch=dict(sorted(__import__("collections").Counter(
+                   a - b for a, b in zip(engine_n, torch_n)).items())),
+               finite_after_min_p=dict(sorted(__import__("collections").Counter(finite_n).items())))
+    dev, kernel = _topk_topp_kernel()
+    if kernel is not None:
+        on = "cuda" if dev == "cuda" else "cpu"
+        kern_n = torch.isfinite(kernel(X.clone().to(on), k.to(on), p.to(on))).sum(1).cpu().tolist()
+        out.update(kernel_device=dev, engine_kept_equals_kernel=sum(a == b for a, b in zip(engine_n, kern_n)))
+    else:
+        kern_n = [None] * len(rows)
+        out["kernel_device"] = "not run (no GPU; TRITON_INTERPRET=1 runs it in Triton's interpreter)"
+    out["rows"] = [{"setting": w, "finite": f, "engine": e, "torch": t, "kernel": kk}
+                   for w, f, e, t, kk in zip(where, finite_n, engine_n, torch_n, kern_n)][:40]
+    return out
 
 
 if __name__ == "__main__":

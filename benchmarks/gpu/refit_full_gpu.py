@@ -74,7 +74,7 @@ def kernel_checks(res, nbytes):
     t[[5, 77_777, 9_999_999]] = torch.tensor([float("nan"), float("inf"), -float("inf")], device="cuda").to(t.dtype)
     r["planted_nonfinite_found"] = checks.digests([t])[0].nonfinite
     del t
-    buf = torch.randn(nbytes // 2, device="cuda", generator=g).to(torch.bfloat16)
+    buf = torch.randn(nbytes // 2, device="cuda", generator=g, dtype=torch.bfloat16)  # no fp32 temporary (an 80 GB card)
     dst = torch.empty_like(buf)
     d1, d2 = checks.digests([buf])[0], checks.digests([buf])[0]
     r["deterministic"] = d1 == d2
@@ -254,6 +254,10 @@ def upstream_round(llm, weights, samples):
             llm.finish_weight_update()
         except Exception as e:  # noqa: BLE001 - recorded
             samples.setdefault("upstream_errors", []).append(f"{type(e).__name__}: {str(e)[:200]}")
+            try:  # close vLLM's own update (an OOM part-way leaves it open, and push_weights then refuses)
+                llm.finish_weight_update()
+            except Exception as e2:  # noqa: BLE001 - recorded
+                samples["upstream_errors"].append(f"finish_weight_update: {type(e2).__name__}: {str(e2)[:200]}")
             continue
         torch.cuda.synchronize()
         samples.setdefault(f"upstream_ipc_{'packed' if packed else 'unpacked'}", []).append(time.perf_counter() - t)
@@ -329,12 +333,14 @@ def main() -> int:
                        "free_gib": torch.cuda.mem_get_info()[0] / 2**30, "model_gib": nbytes / 2**30}
     samples: dict[str, list] = {}
     reports: dict[str, dict] = {}
+    stage_samples: dict[str, list] = {}
     configs = [("default", {}), ("direct_noverify", {"mode": "direct", "verify": False})]
     for r in range(args.rounds):
         samples.setdefault("rpc_noop", []).append(timed(lambda: llm.collective_rpc("rlpatch_ping"), sync=False)[0])
         for key, kw2 in configs[r % 2:] + configs[:r % 2]:
             rep = push(llm, weights, **kw2)
             samples.setdefault(key, []).append(rep.seconds)
+            stage_samples.setdefault(key, []).append(dict(rep.stages))
             reports[key] = summary(rep)
         meta_check(llm, res, f"round {r + 1} pushes")
         upstream_round(llm, weights, samples)
@@ -346,6 +352,8 @@ def main() -> int:
                            reports=reports, samples_s={k: v for k, v in samples.items()},
                            floor_ms=floor * 1e3, check_ms=res["kernel"]["fused_check_ms"])
     fg = res["full_gpu"]
+    fg["stage_medians_ms"] = {key: {st: med([x[st] for x in xs if st in x]) * 1e3 for st in xs[-1]}
+                              for key, xs in stage_samples.items()}
     fg["default_x_floor"] = med(samples["default"]) / floor
     fg["direct_noverify_x_floor"] = med(samples["direct_noverify"]) / floor
     fg["default_bound_ms"] = 2 * floor * 1e3 + fg["check_ms"]
@@ -353,8 +361,14 @@ def main() -> int:
         if samples.get(up):
             fg[f"{up}_x_default"] = med(samples[up]) / med(samples["default"])
             fg[f"{up}_x_direct_noverify"] = med(samples[up]) / med(samples["direct_noverify"])
+    save()
+    print(f"[full-gpu] floor {floor * 1e3:.2f} ms; direct_noverify x{fg['direct_noverify_x_floor']:.2f}, default "
+          f"x{fg['default_x_floor']:.2f}; stage medians (ms): {json.dumps(fg['stage_medians_ms'])}", flush=True)
     if os.environ.get("RLPATCH_BENCH_PROFILE", "1") == "1":
-        fg["profiles"] = profiles(llm, weights, configs)
+        try:
+            fg["profiles"] = profiles(llm, weights, configs)
+        except Exception as e:  # noqa: BLE001 - recorded
+            fg["profiles"] = {"error": f"{type(e).__name__}: {e}"}
         meta_check(llm, res, "profiles")
         save()
     # rollback asked for explicitly on the full GPU: the backup goes to the pinned host arena, overlapped

@@ -4,9 +4,9 @@
 # copied there: `mkdir -p /tmp/chunks0320 && cp .gpu/v0320/cNN/* /tmp/chunks0320/`), as run_mrv2_gpu.sh:
 #
 #   bash benchmarks/gpu/run_mrv2_twin_gpu.sh [CHUNK_DIR]
-#     -> $OUT/mrv2_twin-vllm0.32.0-h200.json         the checks (runner, rows captured, twin vs vLLM per setting)
-#        $OUT/mrv2_twin-vllm0.32.0-h200.log          this script's output (setup, the check's lines)
-#        $OUT/mrv2_twin-vllm0.32.0-h200.engine.log   the engine's log, when the check failed
+#     -> $OUT/mrv2_twin-vllm0.32.0-<card>.json        the checks (runner, rows captured, twin vs vLLM per setting)
+#        $OUT/mrv2_twin-vllm0.32.0-<card>.log         this script's output (setup, the check's lines)
+#        $OUT/mrv2_twin-vllm0.32.0-<card>.engine.log   the engine's log, when the check failed
 #
 # Sets up SITE (benchmarks/gpu/setup_site_0320.sh), then benchmarks/gpu/mrv2_twin.py with a timeout (TWIN_S,
 # default 400 s). VLLM_USE_V2_MODEL_RUNNER is left unset: vLLM's default runner on a GPU (MRv2 from 0.29).
@@ -15,7 +15,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CHUNKS=${1:-/tmp/chunks0320}
 OUT=${OUT:-/tmp/out}
 SITE=${SITE:-/tmp/site0320}
-NAME=${NAME:-mrv2_twin-vllm0.32.0-h200}
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o "H[0-9]*" | tr A-Z a-z)
+NAME=${NAME:-mrv2_twin-vllm0.32.0-${GPU:-gpu}}
 mkdir -p "$OUT"
 
 main() {

@@ -126,8 +126,13 @@ def is_fp32_lm_head(model: Any, *, head: Any = None) -> bool:
 #   min-p in *logit* space (min_p.py l.35-44: `logits < max + log(min_p)` masked) -> top-k/top-p through the
 #   same apply_top_k_top_p (l.345). MRv2 needs a GPU, which this project's CI lacks: its temperature and min-p
 #   kernels, run by Triton's interpreter on the CPU with top-k/top-p from vLLM's PyTorch implementation, match
-#   the twin's rules (tests/test_trainer.py, tests/scripts/mrv2_twin_interp.py); on a GPU the branch is
-#   unverified (`verified=False`).
+#   the twin's rules (tests/test_trainer.py, tests/scripts/mrv2_twin_interp.py). On a GPU (vLLM 0.32.0, H100,
+#   benchmarks/gpu/mrv2_twin.py, 72 settings, 14400 sampled tokens) 14054 tokens matched within 1e-5 and 346
+#   did not, all with top-p < 1: there top-k/top-p is vLLM's Triton kernel (topk_topp_triton.py, pivot-based),
+#   which kept one token fewer than the nominal top-p (the sort above) on every such row without penalties
+#   (220), nearly all rows that min-p had left with 2-5 finite logits, e.g. 1 of 2 tokens with mass 0.54 at
+#   p=0.9. The kernel, run by Triton's interpreter on those rows, does the same on 95 of them. The twin follows
+#   the nominal rule, so on MRv2 the branch stays `verified=False`: use the engine's support information.
 #
 # How the twin computes it without a full sort (an 8k x 152k fp32 sort holds 15 GB): every pass goes over
 # vocabulary chunks (`chunk_bytes`), recomputing penalties and temperature per chunk from the logits. Pass A:
@@ -218,7 +223,8 @@ def engine_rules(engine: Any = None) -> EngineRules:
         raise ValueError(f"engine runner {runner!r}: expected 'v1' or 'mrv2'")
     if runner == "mrv2":
         return EngineRules(vllm_v, runner, device, "logit", "triton", False,
-                           "Model Runner V2 (GPU): min-p in logit space; Triton top-k/top-p; not verified here")
+                           "Model Runner V2 (GPU): min-p in logit space; Triton top-k/top-p, which keeps fewer "
+                           "tokens than the nominal top-p on some rows (vLLM 0.32.0, measured): not verified")
     if device == "cpu":
         return EngineRules(vllm_v, runner, device, "prob", "torch_sort", True,
                            "V1 runner on CPU: apply_top_k_top_p_pytorch; verified on vLLM 0.20.2, 0.25.1, 0.32.0")

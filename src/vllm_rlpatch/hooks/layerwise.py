@@ -327,6 +327,10 @@ def reload_active(model) -> bool:
         infos = vllm_layerwise().LAYERWISE_INFO
     except Exception:
         return False
+    # every update asks: first the records alone (no walk over the model's ~1000 modules when none can load)
+    data = getattr(infos, "data", None)  # WeakKeyDictionary's weakref -> info
+    if not any(info.can_load() for info in (data.values() if isinstance(data, dict) else infos.values())):
+        return False
     for layer in model.modules():
         info = infos.get(layer)
         if info is not None and info.can_load():

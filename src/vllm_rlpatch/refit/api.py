@@ -114,10 +114,18 @@ class Options:
 
 
 # ------------------------------------------------------------------------------------------ sender
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def collect(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
     items = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
     out = []
     for i, item in enumerate(items):
+        if type(item) is tuple and len(item) == 2 and type(item[0]) is str and type(item[1]) in _PLAIN:
+            if item[1].is_meta:
+                raise P.RefitError(f"{item[0]}: a meta tensor has no data", kind="validation")
+            out.append(item)  # a plain tensor or parameter (not a DTensor): the checks below in one step
+            continue
         if not (isinstance(item, tuple) and len(item) == 2):
             raise P.RefitError(f"named_tensors[{i}] is a {type(item).__name__}, not a (name, tensor) pair",
                                kind="validation")
