@@ -337,6 +337,8 @@ def main() -> int:
     configs = [("default", {}), ("direct_noverify", {"mode": "direct", "verify": False})]
     for r in range(args.rounds):
         samples.setdefault("rpc_noop", []).append(timed(lambda: llm.collective_rpc("rlpatch_ping"), sync=False)[0])
+        # what an update's prefix-cache reset costs the engine core (a utility call: compare with rpc_noop)
+        samples.setdefault("reset_prefix_cache_call", []).append(timed(llm.reset_prefix_cache, sync=False)[0])
         for key, kw2 in configs[r % 2:] + configs[:r % 2]:
             rep = push(llm, weights, **kw2)
             samples.setdefault(key, []).append(rep.seconds)

@@ -1,5 +1,5 @@
 """The README's "tested versions" table, generated from the version sweep's JSON (benchmarks/results/sweep/)
-and the GPU runs' JSON (benchmarks/results/*-vllmVERSION-h200*.json).
+and the GPU runs' JSON (benchmarks/results/*-vllmVERSION-h200*.json, *-vllmVERSION-h100*.json).
 
     python ci/sweep/table.py             # print the table
     python ci/sweep/table.py --write README.md   # replace it between the README's markers
@@ -25,8 +25,11 @@ def _key(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split("."))
 
 
-def _gpu_runs(v: str) -> list[str]:
-    return sorted(p.name for p in RESULTS.glob(f"*-vllm{v}-h200*.json"))
+CARDS = ("h200", "h100")
+
+
+def _gpu_runs(v: str, card: str = "h200") -> list[str]:
+    return sorted(p.name for p in RESULTS.glob(f"*-vllm{v}-{card}*.json"))
 
 
 def rows() -> list[dict]:
@@ -43,7 +46,6 @@ def render() -> str:
              "|---|---|---|---|---|"]
     for d in rows():
         v = d["vllm"]
-        gpu = _gpu_runs(v)
         if d["evidence"] == "cpu-sweep":
             ev = f"CPU sweep ({d['distribution']}, torch {d['torch'].split('+')[0]}, {d['date']})"
             pats = d.get("patches", {})
@@ -58,9 +60,12 @@ def render() -> str:
         else:
             ev = "source only (CUDA-only wheel; not run)"
             patch_cell = "-"
-        if gpu:
-            kinds = sorted({g.split("-vllm")[0] for g in gpu})
-            ev += f"; GPU run (H200): {', '.join(kinds)} (`benchmarks/results/*-vllm{v}-h200*.json`)"
+        for card in CARDS:
+            gpu = _gpu_runs(v, card)
+            if gpu:
+                kinds = sorted({g.split("-vllm")[0] for g in gpu})
+                ev += (f"; GPU run ({card.upper()}): {', '.join(kinds)} "
+                       f"(`benchmarks/results/*-vllm{v}-{card}*.json`)")
         checks = d.get("checks", {})
         passed = sum(1 for c in checks.values() if c.get("ok"))
         check_cell = f"{passed}/{len(checks)}" + (f" (failed: {', '.join(d['failures'])})" if d.get("failures") else "")
