@@ -327,9 +327,12 @@ def reload_active(model) -> bool:
         infos = vllm_layerwise().LAYERWISE_INFO
     except Exception:
         return False
-    # every update asks: first the records alone (no walk over the model's ~1000 modules when none can load)
-    data = getattr(infos, "data", None)  # WeakKeyDictionary's weakref -> info
-    if not any(info.can_load() for info in (data.values() if isinstance(data, dict) else infos.values())):
+    # Every update asks. First the records alone: no walk over the model's ~1000 modules when none can load.
+    # The WeakKeyDictionary's own dict (weakref -> info) is copied in one C-level step, so a weakref callback
+    # cannot change it while it is read.
+    data = getattr(infos, "data", None)
+    records = tuple(data.values()) if isinstance(data, dict) else tuple(infos.values())
+    if not any(info.can_load() for info in records):
         return False
     for layer in model.modules():
         info = infos.get(layer)
