@@ -45,8 +45,8 @@ def calls(monkeypatch):
     return seen
 
 
-def send(tgt, tensors, schema=SCHEMA, **kw):
-    opts = api.Options(transport="cuda_ipc", mode="direct", verify=False, **kw)
+def send(tgt, tensors, schema=SCHEMA, verify=False, **kw):
+    opts = api.Options(transport="cuda_ipc", mode="direct", verify=verify, **kw)
     out = api.Outgoing(tgt, tensors, opts, schema)
     out.send(n_workers=1)
     return out
@@ -61,7 +61,22 @@ def test_the_same_tensor_objects_reuse_their_checked_metadata_and_handles(calls)
     again = send(tgt, [("w", w), ("b", b)])
     assert again.refused is None and calls == {"handles": 1, "validate": 1}
     assert again.req["transport"] == first.req["transport"]
-    assert [m.fingerprint for m in again.metas] == [None, None]
+
+
+def test_a_cache_hit_still_digests_this_updates_bytes(calls):
+    tgt = Engine()
+    w, b = torch.zeros(4, 2), torch.ones(2)
+    first = send(tgt, [("w", w), ("b", b)], verify=True)
+    w.add_(1.0)
+    again = send(tgt, [("w", w), ("b", b)], verify=True)
+    assert calls == {"handles": 1, "validate": 1}
+    fp1, fp2 = [m.fingerprint for m in first.metas], [m.fingerprint for m in again.metas]
+    assert None not in fp1 + fp2
+    assert fp2[0] != fp1[0] and fp2[1] == fp1[1]  # w changed in place, b did not
+    assert again.metas is not first.metas and again.metas[0] is not first.metas[0]
+    w[0, 0] = float("nan")
+    bad = send(tgt, [("w", w), ("b", b)], verify=True)
+    assert bad.refused is not None and "NaN" in bad.refused["message"]
 
 
 @pytest.mark.parametrize("change", ["new object", "new storage", "new shape", "new stride", "schema", "partial",

@@ -121,6 +121,9 @@ def main(argv=None) -> int:
             return 2
         line = next((ln for ln in log.splitlines() if ln.startswith("RESULT ")), None)
         r = json.loads(line[len("RESULT "):]) if line else None
+        if r is not None:  # the kept run's prompts per setting, not this call's --prompts
+            a.prompts = max(1, len(r["requests"]) // len(GRID))
+            out["prompts"] = a.prompts
         out["from"] = str(work)
         say(f"from {work}: {len(r['requests']) if r else 0} requests")
     else:
@@ -200,8 +203,11 @@ def main(argv=None) -> int:
     own = res[runner]
     ok = own["tokens_over_tol"] == 0 and own["outside_support"] == 0 and own["returned_nonfinite"] == 0
     out["checks"]["twin_matches"] = {"ok": ok, "tolerance": TOL, "rules": res}
-    lp_own, _ = processed_logprobs(L, T, sps, prompt_token_ids=prompts, engine=engine, return_details=True)
-    out["explain"] = explain(L, T, R, sps, lp_own)
+    try:
+        lp_own, _ = processed_logprobs(L, T, sps, prompt_token_ids=prompts, engine=engine, return_details=True)
+        out["explain"] = explain(L, T, R, sps, lp_own)
+    except Exception as e:  # noqa: BLE001 - information only: recorded, the checks stand
+        out["explain"] = {"error": f"{type(e).__name__}: {e}"}
     say(f"explain: {json.dumps({k: v for k, v in out['explain'].items() if k != 'rows'})}")
     if not ok:
         out["failures"].append("twin_matches")

@@ -15,7 +15,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CHUNKS=${1:-/tmp/chunks0320}
 OUT=${OUT:-/tmp/out}
 SITE=${SITE:-/tmp/site0320}
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o "H[0-9]*" | tr A-Z a-z)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE "H[0-9]+" | head -1 | tr A-Z a-z)
 NAME=${NAME:-mrv2_twin-vllm0.32.0-${GPU:-gpu}}
 mkdir -p "$OUT"
 

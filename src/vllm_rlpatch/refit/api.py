@@ -277,10 +277,8 @@ class Outgoing:
             self._signature = _signature(self.tensors, (bool(opts.partial or session), bool(opts.allow_cast),
                                                         bool(fleet)))
             self._sent = _sent_for(_tkey(tgt), self.tensors, self._signature, schema)
-        if self._sent is not None:
-            self.metas = self._sent.metas
-            for m in self.metas:
-                m.fingerprint = m.nonfinite = None
+        if self._sent is not None:  # this update's own records (digests are written into them)
+            self.metas = [P.TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m in self._sent.metas]
             probs: list[dict[str, Any]] = []
         else:
             self.metas = _metas(self.tensors)
@@ -346,8 +344,9 @@ class Outgoing:
                 self.req["transport"] = {"kind": "cuda_ipc", "handles": handles}
                 self._template(handles)
                 if hit is None:
-                    hit = _SENT[_tkey(self.tgt)] = _Sent(self._signature, [weakref.ref(t) for _, t in self.tensors],
-                                                         self.schema, self.metas)
+                    hit = _SENT[_tkey(self.tgt)] = _Sent(
+                        self._signature, [weakref.ref(t) for _, t in self.tensors], self.schema,
+                        [P.TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m in self.metas])
                 hit.handles, hit.static = handles, self._static
             else:
                 self.req["transport"] = {"kind": "cuda_ipc_layout", "handle": self.layout.handle(),

@@ -21,7 +21,7 @@ from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.resolve import resolve
 from vllm_rlpatch.refit.source import Source
 
-_HANDLES: dict[int, tuple[Any, int, bytes]] = {}  # id(tensor) -> (weakref, data_ptr, pickled handle)
+_HANDLES: dict[int, tuple[Any, tuple, bytes]] = {}  # id(tensor) -> (weakref, (data_ptr, shape, stride, dtype), handle)
 
 
 def ipc_handles(tensors: list[tuple[str, torch.Tensor]]) -> list[bytes]:
@@ -35,13 +35,14 @@ def ipc_handles(tensors: list[tuple[str, torch.Tensor]]) -> list[bytes]:
             raise P.RefitError(f"cuda_ipc transport: {name} is on {t.device}, not a CUDA device", kind="validation")
         key = id(t)
         hit = _HANDLES.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == t.data_ptr():
+        where = (t.data_ptr(), t.shape, t.stride(), t.dtype)  # a handle records the view's shape and strides too
+        if hit is not None and hit[0]() is t and hit[1] == where:
             out.append(hit[2])
             continue
         h = pickle.dumps(reduce_tensor(t.detach()))
         try:
             ref = weakref.ref(t, lambda _r, k=key: _HANDLES.pop(k, None))
-            _HANDLES[key] = (ref, t.data_ptr(), h)
+            _HANDLES[key] = (ref, where, h)
         except TypeError:
             pass
         out.append(h)
