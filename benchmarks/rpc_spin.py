@@ -25,6 +25,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def cpu_steps(procs: dict[int, str], n: int = 8, dt: float = 0.25) -> list[dict]:
+    """Each process's CPU seconds since now, every ``dt`` seconds, ``n`` times."""
+    base = {p: cpu_of(p) for p in procs}
+    t0, steps = time.time(), []
+    for _ in range(n):
+        time.sleep(dt)
+        steps.append({"t": round(time.time() - t0, 2),
+                      "cpu_s": {procs[p]: round(cpu_of(p) - base[p], 3) for p in procs}})
+    return steps
+
+
 def cpu_of(pid: int) -> float:
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -56,12 +67,7 @@ def main() -> int:
     res: dict = {"vllm": vllm.__version__, "cpu_count": os.cpu_count(), "processes": procs}
     time.sleep(3)
     llm.collective_rpc("rlpatch_refit_describe")
-    base = {p: cpu_of(p) for p in procs}
-    t0, steps = time.time(), []
-    for _ in range(8):
-        time.sleep(0.25)
-        steps.append({"t": round(time.time() - t0, 2),
-                      "cpu_s": {procs[p]: round(cpu_of(p) - base[p], 3) for p in procs}})
+    steps = cpu_steps(procs)
     res["after_rpc"] = steps
     print(f"[rpc-spin] after a no-op RPC: {steps[-1]}", flush=True)
     # the same after an update: its last RPC rests the readers (vllm_rlpatch.hooks.workerctx.rest_rpc_reader)
@@ -73,12 +79,7 @@ def main() -> int:
     push_weights(llm, weights)  # the first update (plans, segments)
     time.sleep(2.5)
     push_weights(llm, weights)
-    base = {p: cpu_of(p) for p in procs}
-    t0, steps = time.time(), []
-    for _ in range(8):
-        time.sleep(0.25)
-        steps.append({"t": round(time.time() - t0, 2),
-                      "cpu_s": {procs[p]: round(cpu_of(p) - base[p], 3) for p in procs}})
+    steps = cpu_steps(procs)
     res["after_push"] = steps
     print(f"[rpc-spin] after push_weights: {steps[-1]}", flush=True)
     res["waiting"] = {}
