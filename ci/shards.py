@@ -44,6 +44,7 @@ COST = {
     "tests/test_fleet_ray.py": 95,  # two Ray actors with an engine each; newest CI version only (0 s elsewhere)
     "tests/test_fleet_http.py": 10,  # the phase routes + HTTP client in front of scripted engines, no vLLM
     "tests/test_sender_cache.py": 5,  # the trainer-side cuda_ipc cache, no vLLM engine
+    "tests/test_refit_timing.py": 5,  # the commit RPC split, the timeline, packed answers; no vLLM engine
     "tests/test_doctor.py": 110,
     "tests/test_kv_pin.py": 150,
     "tests/test_rollout.py": 120,

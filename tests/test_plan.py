@@ -35,6 +35,7 @@ def test_window_digests_are_the_sources_and_catch_a_corrupt_window(result):
 
 
 def test_a_repointed_parameter_invalidates_the_plan(result):
+    assert result["live_primed"] == [None, None]
     assert "no longer lives where the plan recorded it" in result["live_after_repoint"]
     assert result["live_after_restore"] is None
 

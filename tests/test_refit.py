@@ -148,7 +148,10 @@ def main(tmp_path_factory, weights):
            # teardown check of the shared engine: the state its last update left, for whoever reads it next
            _fp("fp_end"), {"op": "version", "name": "v_end"}]
     return _run(tmp_path_factory.mktemp("main"), {"model": model_path(), "worker_extension_cls": EXT},
-                {"B": w["B"], "C": w["C"]}, ops, VLLM_RLPATCH_FAULT_INJECTION="1", **BF16_HEAD)
+                {"B": w["B"], "C": w["C"]}, ops, VLLM_RLPATCH_FAULT_INJECTION="1", **BF16_HEAD,
+                # the refit answers travel packed (one blob per rank) with this on: every update of this engine
+                # then crosses the packed path (the other engines of the suite, the plain one)
+                VLLM_ALLOW_INSECURE_SERIALIZATION="1")
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +374,22 @@ def test_dist_transport_and_report(main):
     assert rep["stages"]["send"] > 0 and rep["stages"]["worker_receive"] > 0
     r = main["bad_sender_stops"]
     assert "bucket" in r["message"], r  # which bucket did not arrive
+
+
+def test_the_report_says_where_the_time_went(main):
+    """``RefitReport.timeline`` and the ``commit_rpc_*`` stages: the caller's, the engine core's and the worker's
+    points on one clock (one host), in the order they happen, and a split of the commit RPC that adds up."""
+    rep = main["push_C_direct"]["report"]
+    names, ms = [p for p, _ in rep["timeline"]], [t for _, t in rep["timeline"]]
+    assert ms == sorted(ms) and names[0] == "start" and names[-1] == "report", rep["timeline"]
+    path = ("commit_rpc", "core.enter", "core.call", "worker.enter", "worker.prepared", "worker.commit",
+            "worker.written", "worker.exit", "core.return", "core.exit", "commit_answer")
+    assert all(p in names for p in path), names
+    assert [names.index(p) for p in path] == sorted(names.index(p) for p in path), names
+    st = rep["stages"]
+    parts = [st[f"commit_rpc_{k}"] for k in ("to_core", "core_before", "to_worker", "worker", "from_worker",
+                                              "core_after", "from_core")]
+    assert min(parts) >= 0 and abs(sum(parts) - st["commit_rpc"]) <= 0.02 * st["commit_rpc"] + 1e-4, st
 
 
 def test_asleep_engine_refuses_updates(main):

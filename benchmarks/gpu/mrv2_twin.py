@@ -85,8 +85,10 @@ def main(argv=None) -> int:
     from vllm_rlpatch.trainer import processed_logprobs
 
     t_start = time.perf_counter()
-    work = Path(a.keep or tempfile.mkdtemp(prefix="rlpatch-mrv2-twin-"))
-    work.mkdir(parents=True, exist_ok=True)
+    # --from reads a kept run where it is; otherwise the engine's files go to --keep or a temporary folder
+    work = Path(a.from_dir) if a.from_dir else Path(a.keep or tempfile.mkdtemp(prefix="rlpatch-mrv2-twin-"))
+    if not a.from_dir:
+        work.mkdir(parents=True, exist_ok=True)
     out: dict = {"check": "mrv2_twin", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  "vllm": vllm.__version__, "torch": torch.__version__,
                  "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -100,20 +102,9 @@ def main(argv=None) -> int:
         say(f"{'PASS' if out['ok'] else 'FAIL ' + ', '.join(out['failures'])} ({out['seconds']} s) -> {a.out}")
         return 0 if out["ok"] else 1
 
-    reqs = []
-    for g, sp in enumerate(GRID):
-        for j in range(a.prompts):
-            reqs.append({"prompt": PROMPTS[j], "sampling": {**sp, "max_tokens": a.tokens, "ignore_eos": True,
-                                                            "logprobs": 0, "seed": 1000 * g + j}})
     cap = work / "logits.pt"
-    # every prompt prefilled in one step (no chunked prefill: a captured row is then a sampled token)
-    spec = {"engine": {"model": model_path(), "max_num_batched_tokens": 16384, "max_num_seqs": 1024,
-                       "kv_cache_memory_bytes": 256 << 20},
-            "requests": reqs, "capture": str(cap)}
     t0 = time.perf_counter()
     if a.from_dir:
-        work = Path(a.from_dir)
-        cap = work / "logits.pt"
         try:
             log = (work / "engine.log").read_text()
         except OSError as e:
@@ -127,6 +118,13 @@ def main(argv=None) -> int:
         out["from"] = str(work)
         say(f"from {work}: {len(r['requests']) if r else 0} requests")
     else:
+        reqs = [{"prompt": PROMPTS[j], "sampling": {**sp, "max_tokens": a.tokens, "ignore_eos": True, "logprobs": 0,
+                                                    "seed": 1000 * g + j}}
+                for g, sp in enumerate(GRID) for j in range(a.prompts)]
+        # every prompt prefilled in one step (no chunked prefill: a captured row is then a sampled token)
+        spec = {"engine": {"model": model_path(), "max_num_batched_tokens": 16384, "max_num_seqs": 1024,
+                           "kv_cache_memory_bytes": 256 << 20},
+                "requests": reqs, "capture": str(cap)}
         say(f"engine: {len(reqs)} requests ({len(GRID)} settings x {a.prompts} prompts x {a.tokens} tokens)")
         f = work / "spec.json"
         f.write_text(json.dumps(spec))

@@ -122,10 +122,20 @@ def push(llm, weights, **kw):
     return rep
 
 
+def timeline_median(timelines):
+    """Each point's median over several reports' timelines, in order."""
+    by: dict = {}
+    for tl in timelines:
+        for k, v in tl:
+            by.setdefault(k, []).append(v)
+    return sorted(([k, round(med(v), 4)] for k, v in by.items()), key=lambda x: x[1])
+
+
 def summary(rep):
     return {"seconds": rep.seconds, "guarantee": rep.guarantee, "path": rep.path, "backup": rep.backup,
             "post_check": rep.post_check, "checks": rep.checks, "stages": rep.stages, "state": rep.state,
-            "version": rep.version, "peak_extra_device_bytes": rep.peak_extra_device_bytes}
+            "version": rep.version, "peak_extra_device_bytes": rep.peak_extra_device_bytes,
+            "timeline": rep.timeline}
 
 
 def _worker_profile_on(worker):
@@ -187,6 +197,102 @@ def _worker_profile_off(worker):
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(28)
         out[key] = buf.getvalue()[-6000:]
     return out
+
+
+def _core_probe(worker, on=True):
+    """(collective_rpc callable; tensor parallel 1: the engine core's process) Time points of vLLM's own steps
+    around an RPC in the engine core: the input thread's enqueue (request received and decoded), the busy loop's
+    handling, the result's enqueue for the output thread. ``on=False``: remove them and return the points."""
+    import builtins
+    import gc
+    import time
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if not on:
+        if not hasattr(builtins, "_rlpatch_probe"):
+            return []
+        log, core, iq_put, oq_put, orig_h = builtins._rlpatch_probe
+        del core.input_queue.put_nowait, core.output_queue.put_nowait
+        EngineCoreProc._handle_client_request = orig_h
+        del builtins._rlpatch_probe
+        return list(log)
+    core = next((o for o in gc.get_objects() if isinstance(o, EngineCoreProc)), None)
+    if core is None:  # a worker process of its own (multiproc executor): no probes there
+        return False
+    log = []
+    iq_put, oq_put = core.input_queue.put_nowait, core.output_queue.put_nowait
+    orig_h = EngineCoreProc.__dict__["_handle_client_request"]
+
+    def ip(item, *a, **k):
+        log.append(("core.input_queued", time.perf_counter()))
+        return iq_put(item, *a, **k)
+
+    def op(item, *a, **k):
+        log.append(("core.output_queued", time.perf_counter()))
+        return oq_put(item, *a, **k)
+
+    def handle(self, *a, **k):
+        log.append(("core.handle", time.perf_counter()))
+        return orig_h(self, *a, **k)
+
+    core.input_queue.put_nowait, core.output_queue.put_nowait = ip, op
+    EngineCoreProc._handle_client_request = handle
+    builtins._rlpatch_probe = (log, core, iq_put, oq_put, orig_h)
+    return True
+
+
+def probe_round(llm, weights, n=7):
+    """Where an RPC's round trip goes, point by point, on one clock: the report's timeline (caller, engine core,
+    worker) merged with probes in vLLM's client (request sent, answer decoded by the output thread) and engine
+    core (see :func:`_core_probe`), for ``n`` no-op RPCs and ``n`` direct pushes without checks. Medians of each
+    point, in ms after the call began."""
+    import vllm.v1.engine.core_client as cc
+
+    front: list = []
+    orig_send = cc.SyncMPClient.__dict__["_send_input"]
+    orig_out = cc._process_utility_output
+
+    def send(self, *a, **k):
+        front.append(("client.send", time.perf_counter()))
+        out = orig_send(self, *a, **k)
+        front.append(("client.sent", time.perf_counter()))
+        return out
+
+    def util_out(*a, **k):
+        front.append(("client.answer_decoded", time.perf_counter()))
+        return orig_out(*a, **k)
+
+    llm.collective_rpc(_core_probe)
+    cc.SyncMPClient._send_input, cc._process_utility_output = send, util_out
+    calls = []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            llm.collective_rpc("rlpatch_ping")
+            calls.append(("noop", t, time.perf_counter(), None))
+            rep = push(llm, weights, mode="direct", verify=False)
+            rel = dict(rep.timeline)
+            enter = (rep.workers[0].get("engine_core") or {}).get("clock", {}).get("enter")
+            t0 = enter - rel["core.enter"] / 1e3 if enter is not None and "core.enter" in rel else None
+            calls.append(("direct_noverify", t0, t0 + rep.seconds if t0 is not None else None, rep.timeline))
+    finally:
+        cc.SyncMPClient._send_input, cc._process_utility_output = orig_send, orig_out
+        core = llm.collective_rpc(_core_probe, kwargs={"on": False})[0]
+    pts = front + [tuple(p) for p in core]
+    out: dict = {}
+    for key, t0, t1, tl in calls:
+        if t0 is None:
+            continue
+        mine = [(k, (v - t0) * 1e3) for k, v in pts if t0 - 1e-4 <= v <= t1 + 1e-4] + [tuple(x) for x in (tl or [])]
+        mine.append(("end", (t1 - t0) * 1e3))
+        seen: dict = {}
+        for k, v in sorted(mine, key=lambda x: x[1]):
+            kk = k if k not in seen else f"{k}#{seen[k] + 1}"
+            seen[k] = seen.get(k, 0) + 1
+            out.setdefault(key, {}).setdefault(kk, []).append(v)
+    return {key: sorted(([k, round(med(v), 4), len(v)] for k, v in pts_.items()), key=lambda x: x[1])
+            for key, pts_ in out.items()}
 
 
 def _meta_tensors(worker):
@@ -334,6 +440,7 @@ def main() -> int:
     samples: dict[str, list] = {}
     reports: dict[str, dict] = {}
     stage_samples: dict[str, list] = {}
+    timelines: dict[str, list] = {}
     configs = [("default", {}), ("direct_noverify", {"mode": "direct", "verify": False})]
     for r in range(args.rounds):
         samples.setdefault("rpc_noop", []).append(timed(lambda: llm.collective_rpc("rlpatch_ping"), sync=False)[0])
@@ -343,6 +450,7 @@ def main() -> int:
             rep = push(llm, weights, **kw2)
             samples.setdefault(key, []).append(rep.seconds)
             stage_samples.setdefault(key, []).append(dict(rep.stages))
+            timelines.setdefault(key, []).append(rep.timeline)
             reports[key] = summary(rep)
         meta_check(llm, res, f"round {r + 1} pushes")
         upstream_round(llm, weights, samples)
@@ -366,6 +474,14 @@ def main() -> int:
     save()
     print(f"[full-gpu] floor {floor * 1e3:.2f} ms; direct_noverify x{fg['direct_noverify_x_floor']:.2f}, default "
           f"x{fg['default_x_floor']:.2f}; stage medians (ms): {json.dumps(fg['stage_medians_ms'])}", flush=True)
+    fg["timeline_ms"] = {key: timeline_median(xs) for key, xs in timelines.items()}
+    try:  # vLLM's steps around the RPC too (probes in its client and engine core)
+        fg["probe_timeline_ms"] = probe_round(llm, weights)
+        print(f"[full-gpu] probed timeline (ms): {json.dumps(fg['probe_timeline_ms'])}", flush=True)
+    except Exception as e:  # noqa: BLE001 - recorded
+        fg["probe_timeline_ms"] = {"error": f"{type(e).__name__}: {e}"}
+    meta_check(llm, res, "probes")
+    save()
     if os.environ.get("RLPATCH_BENCH_PROFILE", "1") == "1":
         try:
             fg["profiles"] = profiles(llm, weights, configs)

@@ -95,7 +95,9 @@ def main():
         w0.view(-1)[0] = w0.view(-1)[0] + 1
         out["corruption_detected"] = checks.digests([w0])[0].key != want[0].key
         w0.copy_(keep)
-        # invalidation: a parameter re-pointed (what a reload or a sleep does) makes the plan stale
+        # invalidation: a parameter re-pointed (what a reload or a sleep does) makes the plan stale, also after
+        # passing checks (the second one compares the parameters' addresses with the first's in one pass)
+        out["live_primed"] = [plan.live(), plan.live()]
         p0 = entries[0].dst
         old_data = p0.data
         p0.data = old_data.clone()

@@ -200,16 +200,17 @@ def on_weight_update(callback: Callable[[WeightUpdateEvent, Any], None]) -> Call
     return unsubscribe
 
 
-def fire(engine: Any, source: str, side: str, version: int | None = None) -> WeightUpdateEvent:
+def fire(engine: Any, source: str, side: str, version: int | None = None,
+         log_level: int = logging.INFO) -> WeightUpdateEvent:
     """Bump ``engine``'s version (to ``version`` if given and higher) and notify listeners (also used by the
-    refit API)."""
+    refit API, which logs the update once in the caller and in the engine core: ``log_level`` DEBUG here)."""
     key = engine_key(engine)
     with _LOCK:
         nxt = _VERSIONS.get(key, 0) + 1
         _VERSIONS[key] = max(nxt, int(version)) if version is not None else nxt
         ev = WeightUpdateEvent(key, _VERSIONS[key], source, side, os.getpid(), time.time())
         listeners = list(_LISTENERS)
-    logger.info("vllm-rlpatch: weight update #%d on %s via %s", ev.version, key, source)
+    logger.log(log_level, "vllm-rlpatch: weight update #%d on %s via %s", ev.version, key, source)
     for cb in listeners:
         try:
             cb(ev, engine)

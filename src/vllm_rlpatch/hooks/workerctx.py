@@ -85,6 +85,10 @@ def _rest(mq: Any) -> bool:
     return True
 
 
+_NO_READER = object()
+_reader: Any = None  # this process's RPC reader once found (or _NO_READER: an executor without one)
+
+
 def rest_rpc_reader() -> bool:
     """Call at the end of a worker RPC that ends an update: this worker process's RPC reader waits idle for the
     next RPC instead of spinning. After every read, vLLM's shared-memory broadcast reader polls with
@@ -94,17 +98,22 @@ def rest_rpc_reader() -> bool:
     (benchmarks/rpc_spin.py). The reader then spins :data:`REST_GRACE_S` more and sleeps; the executor's next
     write wakes it through the socket it notifies on every write. The reader is the multiproc executor's
     ``WorkerProc.rpc_broadcast_mq``, found on the frames calling this RPC (``worker_busy_loop`` /
-    ``_execute_worker_rpc``). Returns whether one was found (not with the uniproc or Ray executors)."""
-    f = sys._getframe(1)
-    for _ in range(32):
-        if f is None:
-            return False
-        owner = f.f_locals.get("self")
-        mq = getattr(owner, "rpc_broadcast_mq", None) if owner is not None else None
-        if mq is not None:
-            return _rest(mq)
-        f = f.f_back
-    return False
+    ``_execute_worker_rpc``). Returns whether one was found (not with the uniproc or Ray executors). The
+    search runs once per process (a process's executor does not change); later calls reuse its answer."""
+    global _reader
+    if _reader is None:
+        _reader = _NO_READER
+        f = sys._getframe(1)
+        for _ in range(32):
+            if f is None:
+                break
+            owner = f.f_locals.get("self")
+            mq = getattr(owner, "rpc_broadcast_mq", None) if owner is not None else None
+            if mq is not None:
+                _reader = mq
+                break
+            f = f.f_back
+    return _reader is not _NO_READER and _rest(_reader)
 
 
 def rest_response_readers(executor: Any) -> int:

@@ -26,6 +26,7 @@ import torch
 
 from vllm_rlpatch.refit import checks
 from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.coordinator import timeline
 from vllm_rlpatch.refit.cuda_ipc import EngineLayout, ipc_handles
 from vllm_rlpatch.refit.dist import DistSender
 from vllm_rlpatch.refit.resolve import resolve
@@ -68,6 +69,9 @@ class RefitReport:
     path: str | None = None
     backup: dict[str, Any] | None = None
     post_check: str | None = None
+    # [point, ms after the call began]: the caller's steps and, for an engine in this process whose clocks
+    # compare, the engine core's and rank 0's (``core.*``, ``worker.*``): where the time went
+    timeline: list[list] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -147,6 +151,11 @@ def _metas(tensors: list[tuple[str, torch.Tensor]]) -> list[P.TensorMeta]:
     return [P.TensorMeta(n, P.dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()) for n, t in tensors]
 
 
+def _fresh(metas: list[P.TensorMeta]) -> list[P.TensorMeta]:
+    """New records of the same tensors (no placement, no digests): what an update writes its digests into."""
+    return [P.TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m in metas]
+
+
 @dataclasses.dataclass
 class _Sent:
     """What the last ``cuda_ipc`` update to a target found about its tensors, reused when the next update
@@ -154,8 +163,8 @@ class _Sent:
     already checked against ``schema``, their IPC handles and the update template's hash. Only weak
     references to the tensors: the cache never keeps a trainer's memory alive."""
 
-    signature: tuple
-    refs: list
+    flags: tuple
+    records: list  # per tensor: name, weak reference, address, dtype, shape, strides
     schema: Any
     metas: list[P.TensorMeta]
     handles: list[bytes] | None = None
@@ -165,17 +174,21 @@ class _Sent:
 _SENT: dict[Any, _Sent] = {}
 
 
-def _signature(tensors: list[tuple[str, torch.Tensor]], flags: tuple) -> tuple:
-    """Names, object identities, addresses, dtypes, shapes and strides (and the options that change the
-    metadata check): equal only when a cached entry's metadata and handles hold for ``tensors``."""
-    return flags + tuple((n, id(t), t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in tensors)
+def _records(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple]:
+    return [(n, weakref.ref(t), t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in tensors]
 
 
-def _sent_for(key: Any, tensors: list[tuple[str, torch.Tensor]], signature: tuple, schema: Any) -> _Sent | None:
+def _sent_for(key: Any, tensors: list[tuple[str, torch.Tensor]], flags: tuple, schema: Any) -> _Sent | None:
+    """The cached entry when ``tensors`` are the very objects it saw, each at the same address with the same
+    dtype, shape and strides, under the same schema and options that change the metadata check; else None.
+    One pass that stops at the first difference (an 8B model's 291 tensors are read on every update)."""
     hit = _SENT.get(key)
-    if hit is None or hit.schema is not schema or hit.signature != signature \
-            or any(r() is not t for r, (_, t) in zip(hit.refs, tensors)):
+    if hit is None or hit.schema is not schema or hit.flags != flags or len(hit.records) != len(tensors):
         return None
+    for (n, ref, ptr, dtype, shape, stride), (n2, t) in zip(hit.records, tensors):
+        if n != n2 or ref() is not t or t.data_ptr() != ptr or t.dtype != dtype or t.shape != shape \
+                or t.stride() != stride:
+            return None
     return hit
 
 
@@ -254,9 +267,11 @@ class Outgoing:
                  txid: str | None = None, session: bool = False, first_segment: int = 0,
                  pool: ShmPool | None = None, fleet: bool = False):
         self.t0 = time.perf_counter()
+        self.marks: list[tuple[str, float]] = [("start", self.t0)]
         self.tgt, self.opts = tgt, opts
         self.layout = named_tensors if isinstance(named_tensors, EngineLayout) else None
         self.tensors = collect(self.layout.named_tensors() if self.layout is not None else named_tensors)
+        self.mark("collected")
         if not self.tensors:
             raise P.RefitError("the update contains no tensors", kind="validation")
         self.transport = "cuda_ipc_layout" if self.layout is not None else _pick_transport(opts.transport,
@@ -272,13 +287,13 @@ class Outgoing:
         # cuda_ipc with the same tensor objects as the last update to this target: their checked metadata and
         # handles are reused (:class:`_Sent`); fingerprints and NaN counts are always this update's own
         self._sent: _Sent | None = None
-        self._signature: tuple | None = None
+        self._flags = (bool(opts.partial or session), bool(opts.allow_cast), bool(fleet))
         if self.transport == "cuda_ipc":
-            self._signature = _signature(self.tensors, (bool(opts.partial or session), bool(opts.allow_cast),
-                                                        bool(fleet)))
-            self._sent = _sent_for(_tkey(tgt), self.tensors, self._signature, schema)
-        if self._sent is not None:  # this update's own records (digests are written into them)
-            self.metas = [P.TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m in self._sent.metas]
+            self._sent = _sent_for(_tkey(tgt), self.tensors, self._flags, schema)
+        if self._sent is not None:
+            # digests are written into the records: then this update's own copies; without digests the cached
+            # records themselves, never written to (291 copies cost an 8B update ~0.2 ms)
+            self.metas = _fresh(self._sent.metas) if self._digests is not None else self._sent.metas
             probs: list[dict[str, Any]] = []
         else:
             self.metas = _metas(self.tensors)
@@ -286,6 +301,7 @@ class Outgoing:
                                         allow_cast=opts.allow_cast)
         self.schema = schema
         self.stages["validate_metadata"] = time.perf_counter() - t1
+        self.mark("metadata")
         self.refused: dict[str, Any] | None = None
         if probs:
             self.refused = {"ok": False, "state": "unchanged", "kind": "validation", "message": P.summarize(probs),
@@ -345,8 +361,7 @@ class Outgoing:
                 self._template(handles)
                 if hit is None:
                     hit = _SENT[_tkey(self.tgt)] = _Sent(
-                        self._signature, [weakref.ref(t) for _, t in self.tensors], self.schema,
-                        [P.TensorMeta(m.name, m.dtype, m.shape, m.nbytes) for m in self.metas])
+                        self._flags, _records(self.tensors), self.schema, _fresh(self.metas))
                 hit.handles, hit.static = handles, self._static
             else:
                 self.req["transport"] = {"kind": "cuda_ipc_layout", "handle": self.layout.handle(),
@@ -377,6 +392,10 @@ class Outgoing:
             self.req["tensors"] = [m.as_dict() for m in self.metas]
         if tr == "dist":
             self.sender.start()
+        self.mark("sent")
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
 
     def _template(self, handles: list) -> None:
         """A trainer that updates its tensors in place sends the same names, shapes and IPC handles every step:
@@ -423,6 +442,10 @@ class Outgoing:
         nbytes = sum(m.nbytes for m in self.metas)
         rep = build_report(out, transport=self.transport, mode=self.opts.mode, nbytes=nbytes, n=len(self.metas),
                            seconds=time.perf_counter() - self.t0, stages=self.stages, host_extra=self.host_bytes)
+        # the engine's clocks are this host's only for an engine in this process (a Ray actor or a server may
+        # run elsewhere: its points stay out)
+        rep.timeline = timeline(self.marks + [("report", self.t0 + rep.seconds)],
+                                out if self.tgt.kind in ("llm", "async_llm") else {})
         if self.transport in ("shm", "dist"):
             rep.buckets = len({m.segment for m in self.metas})
         if not rep.ok and raise_on_error:
@@ -454,6 +477,7 @@ def build_report(out: dict[str, Any], *, transport: str, mode: str, nbytes: int,
     for k in ("seconds_prepare", "seconds_commit"):
         if k in out:
             st[k.removeprefix("seconds_") + "_rpc"] = out[k]
+    st.update({f"commit_rpc_{k}": v for k, v in (out.get("commit_split") or {}).items()})
     ec = {}
     for w in workers:
         if isinstance(w.get("engine_core"), dict):
@@ -511,6 +535,7 @@ def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
             out = tgt.run(out_.req)
             out_.template_result(out)
         out_.stages["engine"] = time.perf_counter() - t2
+        out_.mark("engine_done")
         out_.finish_send()
         return out_.report(out, raise_on_error)
     finally:

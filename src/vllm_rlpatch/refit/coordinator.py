@@ -43,6 +43,53 @@ def _failure(results: list, bad: list, **extra) -> dict[str, Any]:
             "problems": r0.get("problems", []), **extra}
 
 
+def rpc_split(t0: float, t1: float, results: list) -> dict[str, float]:
+    """Where a commit RPC's round trip (``t0``..``t1`` on this process's monotonic clock) went, from the clocks
+    the engine core and each worker put in their answers: ``to_core`` (the request reaching the engine core),
+    ``core_before`` / ``core_after`` (its hooks around the workers' call), ``to_worker`` (until the first rank
+    began), ``worker`` (the first rank's start to the last rank's end), ``from_worker``, ``from_core`` (the
+    answer reaching this process); they add up to the round trip. Empty when the clocks are not comparable
+    (another host: any span negative, or the parts longer than the round trip)."""
+    ec = next((r.get("engine_core", {}).get("clock") for r in results
+               if isinstance(r, dict) and isinstance(r.get("engine_core"), dict)), None)
+    wk = [r["clock"] for r in results if isinstance(r, dict) and isinstance(r.get("clock"), dict)]
+    if not isinstance(ec, dict) or not wk or len(wk) != len(results):
+        return {}
+    try:
+        w_enter, w_exit = min(float(c["enter"]) for c in wk), max(float(c["exit"]) for c in wk)
+        split = {"to_core": ec["enter"] - t0, "core_before": ec["call"] - ec["enter"], "to_worker": w_enter - ec["call"],
+                 "worker": w_exit - w_enter, "from_worker": ec["return"] - w_exit, "core_after": ec["exit"] - ec["return"],
+                 "from_core": t1 - ec["exit"]}
+    except (KeyError, TypeError, ValueError):
+        return {}
+    tol = 1e-4  # one clock: only rounding
+    if min(split.values()) < -tol or split["to_core"] + split["from_core"] > (t1 - t0) + tol:
+        return {}
+    return {k: max(v, 0.0) for k, v in split.items()}
+
+
+def timeline(marks: list[tuple[str, float]], out: dict[str, Any]) -> list[list]:
+    """One update's points in time, in ms after its first mark: the caller's ``marks`` and, where the commit
+    RPC's clocks are comparable (:func:`rpc_split`), the engine core's and rank 0's (``core.*``, ``worker.*``)."""
+    if not marks:
+        return []
+    pts = list(marks)
+    res = out.get("workers") or []
+    if out.get("commit_split") and out.get("commit_clock") and res:
+        send, back = out["commit_clock"]
+        pts += [("commit_rpc", send), ("commit_answer", back)]
+        r0 = res[0]
+        ec = (r0.get("engine_core") or {}).get("clock") or {}
+        pts += [(f"core.{k}", v) for k, v in ec.items()]
+        pts += [(f"worker.{k}", v) for k, v in (r0.get("clock") or {}).items()]
+        pts += [(f"worker.{k}", v) for k, v in (r0.get("marks") or [])]
+    t0 = marks[0][1]
+    try:
+        return [[k, round((float(v) - t0) * 1e3, 3)] for k, v in sorted(pts, key=lambda p: float(p[1]))]
+    except (TypeError, ValueError):
+        return [[k, round((v - t0) * 1e3, 3)] for k, v in marks]
+
+
 def coordinate(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
     """A whole update (one part, final)."""
     t0 = time.perf_counter()
@@ -50,7 +97,9 @@ def coordinate(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
     if req.get("workers") == 1:
         # one worker, nothing to agree on across ranks: prepare and commit in a single round trip
         res = yield (COMMIT, (req["txid"],), {"version": req.get("version"), "release": True, "request": req, **rpc_kw})
-        out: dict[str, Any] = {"workers": res, "seconds_commit": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        out: dict[str, Any] = {"workers": res, "seconds_commit": t1 - t0, "commit_split": rpc_split(t0, t1, res),
+                               "commit_clock": (t0, t1)}
         bad = [r for r in res if not r.get("ok")]
         if not bad:
             out.update(ok=True, state="committed", version=max((r.get("version") or 0) for r in res))
@@ -85,7 +134,9 @@ def coordinate_commit(req: dict[str, Any], n: int, keep: bool = False) -> Genera
     t1 = time.perf_counter()
     rpc_kw = {"inflight": req.get("inflight")}
     res = yield (COMMIT, (req["txid"],), {"version": req.get("version"), "release": n == 1 and not keep, **rpc_kw})
-    out: dict[str, Any] = {"workers": res, "seconds_commit": time.perf_counter() - t1}
+    t2 = time.perf_counter()
+    out: dict[str, Any] = {"workers": res, "seconds_commit": t2 - t1, "commit_split": rpc_split(t1, t2, res),
+                           "commit_clock": (t1, t2)}
     failed = [r for r in res if not r.get("ok")]
     if not failed:
         if n > 1 and not keep:

@@ -37,6 +37,7 @@ import urllib.request
 from typing import Any
 
 from vllm_rlpatch import envs
+from vllm_rlpatch.hooks import engine_core
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.coordinator import PHASES, coordinate_on_async, coordinate_phase, rpc_error_to_refit, run_async
 from vllm_rlpatch.refit.target import Target, is_loopback
@@ -216,7 +217,7 @@ def install_routes(app: Any) -> None:
 
 def _rpc(engine):
     async def rpc(method, args, kwargs):
-        return await engine.collective_rpc(method, args=args, kwargs=kwargs)
+        return engine_core.unpack_answers(await engine.collective_rpc(method, args=args, kwargs=kwargs))
 
     return rpc
 

@@ -183,11 +183,11 @@ class CopyPlan:
                 self._dst_view(e.dst, e.dst_geom).copy_(self._src_view(src, e.src_geom), non_blocking=True)
 
     def covers(self, names: set[str]) -> bool:
-        return names == set(self.names)
+        return names == self.names
 
     def covers_part(self, names: set[str]) -> bool:
         """Every name of a part of an update (a multi-call session) has its windows in the plan."""
-        return names <= set(self.names)
+        return names <= self.names
 
     def live(self) -> str | None:
         """None if every destination is still the model's storage the plan was captured on, else why not."""
@@ -200,14 +200,32 @@ class CopyPlan:
         # vLLM's parameter classes override __torch_function__: reading a storage through them runs Python per
         # call; the subclass dispatch is off for these reads (plain tensor semantics, the same storage)
         with torch._C.DisableTorchFunctionSubclass():
+            # every update asks: first the parameters' own addresses and storage offsets (so their storages'
+            # addresses) in two C-level passes, equal to those of the last full check that passed (a moved or
+            # meta parameter differs: the full check then says which, by its storage)
+            seen = self.__dict__.get("_live_ptrs")
+            if seen is not None:
+                try:
+                    if list(map(torch.Tensor.data_ptr, self._uniq_dst)) == seen[0] \
+                            and list(map(torch.Tensor.storage_offset, self._uniq_dst)) == seen[1]:
+                        return None
+                except (RuntimeError, NotImplementedError):
+                    pass
             for e in uniq:
                 try:  # the parameter's own storage (no .data alias to build); a meta tensor's is at 0
                     ptr = e.dst.untyped_storage().data_ptr()
                 except (RuntimeError, NotImplementedError):
                     ptr = -1
                 if ptr != e.dst_ptr or e.dst.is_meta:
+                    self._live_ptrs = None
                     return f"{e.name}: its parameter no longer lives where the plan recorded it (re-pointed by a " \
                            "reload, a sleep or a LoRA change)"
+            self._uniq_dst = [e.dst for e in uniq]
+            try:
+                self._live_ptrs = (list(map(torch.Tensor.data_ptr, self._uniq_dst)),
+                                   list(map(torch.Tensor.storage_offset, self._uniq_dst)))
+            except (RuntimeError, NotImplementedError):
+                self._live_ptrs = None
         return None
 
     def window_bytes(self) -> int:

@@ -14,6 +14,7 @@ import asyncio
 import ipaddress
 from typing import Any
 
+from vllm_rlpatch.hooks import engine_core
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.coordinator import (coordinate_on, coordinate_on_async, coordinate_phase, rpc_error_to_refit,
                                             run_async, run_sync)
@@ -71,7 +72,7 @@ class LocalTarget(Target):
         self.front = getattr(obj, "llm_engine", obj)
 
     def rpc(self, method: str, args: tuple, kwargs: dict) -> list:
-        return self.front.collective_rpc(method, args=args, kwargs=kwargs)
+        return engine_core.unpack_answers(self.front.collective_rpc(method, args=args, kwargs=kwargs))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         return self.rpc(method, args, kwargs)
@@ -98,7 +99,7 @@ class AsyncTarget(Target):
         self.obj = self.front = obj
 
     async def rpc_async(self, method: str, args: tuple, kwargs: dict) -> list:
-        return await self.obj.collective_rpc(method, args=args, kwargs=kwargs)
+        return engine_core.unpack_answers(await self.obj.collective_rpc(method, args=args, kwargs=kwargs))
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         for attr in ("output_handler", "_output_handler"):

@@ -92,9 +92,11 @@ def _fail(kind: str, state: str, message: str, stages: dict, checks_: list, prob
 class _Part:
     """One prepared part of an update."""
 
-    def __init__(self, req: dict[str, Any], metas: list[P.TensorMeta], source: Source):
+    def __init__(self, req: dict[str, Any], metas: list[P.TensorMeta], source: Source, names: frozenset[str],
+                 plan_names: frozenset[str]):
         self.req, self.metas, self.source = req, metas, source
-        self.names = {m.name for m in metas}
+        self.names = names  # every tensor's name
+        self.plan_names = plan_names  # ``names`` less the tied aliases (an update template keeps both)
         self.tensors: dict[str, torch.Tensor] | None = None  # the received tensors (non-streamed sources)
         self.expected: dict[str, str] = {}  # name -> digest key of the bytes validated before the write
 
@@ -126,11 +128,15 @@ class _Tx:
         self.names_done: set[str] = set()
         self.stages: dict[str, float] = {}
         self.checks: list[str] = []
+        self.marks: list[tuple[str, float]] = []  # (point, this process's perf_counter): the report's timeline
         self.extra_host = 0
         self.extra_device = 0
         self.fault: str | None = None  # armed by a test (VLLM_RLPATCH_FAULT_INJECTION=1)
         self.post_check: str | None = None
         self.note: str | None = None
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, _now()))
 
     def stage(self, name: str, seconds: float) -> None:
         self.stages[name] = self.stages.get(name, 0.0) + seconds
@@ -282,6 +288,7 @@ class WorkerRefit:
         elif tx.pending is not None:
             return _fail("validation", "unchanged", f"part of {txid!r} prepared twice", {}, [])
         stages = tx.stages
+        tx.marks.append(("prepare", t0))
         try:
             if tx.guarantee is None and req.get("guarantee", "auto") not in P.GUARANTEES:
                 return _fail("validation", "unchanged", f"guarantee={req.get('guarantee')!r}: use one of "
@@ -319,6 +326,7 @@ class WorkerRefit:
                 probs.append(P.problem("duplicate", again[0], f"{again[0]} was already sent in an earlier part of "
                                                               "this update"))
             tx.check("metadata")
+            tx.mark("metadata")
             if probs:
                 return _fail("validation", "unchanged" if not tx.written else tx_state_now(tx),
                              P.summarize(probs), stages, tx.checks, probs)
@@ -342,9 +350,18 @@ class WorkerRefit:
                     self.templates.clear()  # the latest only: a trainer that changed its tensors sent a new one
                     self.templates[req["template"]] = {"metas": metas, "source": source}
                     source.pinned = True  # kept open across updates
-            part = _Part(req, metas, source)
+            # an update template keeps its name sets (an 8B model's 291 names, on every update)
+            cache = tmpl if tmpl is not None else self.templates.get(req.get("template") or "")
+            if cache is not None and "plan_names" in cache:
+                all_names, names = cache["all_names"], cache["plan_names"]
+            else:
+                all_names = frozenset(m.name for m in metas)
+                names = frozenset(n for n in all_names if n not in schema.aliases)
+                if cache is not None:
+                    cache["all_names"], cache["plan_names"] = all_names, names
+            part = _Part(req, metas, source, all_names, names)
             tx.stage("open", _now() - t1)
-            names = {m.name for m in metas if m.name not in schema.aliases}
+            tx.mark("opened")
             live_now = False  # the plan's liveness proven in this call
             if tx.path is None:
                 tx.path = "plan" if self._plan_usable(names, tx) else "layerwise"
@@ -352,6 +369,7 @@ class WorkerRefit:
             elif tx.path == "plan" and not self._plan_usable(names, tx):
                 return _fail("validation", tx_state_now(tx), "this part has tensors the copy plan does not cover "
                              "(an earlier part of the session took the plan path)", stages, tx.checks)
+            tx.mark("path")
             # streamed (direct, dist): received in commit, as it is written; a fleet receives here (``stream``
             # False): every engine takes part in the one broadcast while they all prepare
             streamed = tx.mode == "direct" and getattr(source, "streaming_ok", True) and _is_dist(source)
@@ -361,6 +379,7 @@ class WorkerRefit:
                     source.receive_all()
                 part.tensors = {m.name: t for m, t in source.tensors()}
                 tx.stage("receive", _now() - t1)
+                tx.mark("received")
                 probs = self._check_sources(tx, part)
                 if probs:
                     _close(source)
@@ -398,6 +417,7 @@ class WorkerRefit:
                 tx.check("preconditions")
             tx.pending = part
             self.txs[txid] = tx
+            tx.mark("prepared")
             tx.stage("prepare", _now() - t0)
             # the version this rank holds now: a fleet picks max + 1 from these answers (no RPC of its own)
             return self._result(tx, ok=True, state=tx_state_now(tx),
@@ -519,7 +539,8 @@ class WorkerRefit:
                      backup_needed=need, backup_kind=kind)
 
     def _result(self, tx: _Tx, **kw) -> dict[str, Any]:
-        return {"stages": tx.stages, "checks": list(tx.checks), "pid": os.getpid(), "rank": self.rank,
+        return {"stages": tx.stages, "checks": list(tx.checks), "marks": list(tx.marks), "pid": os.getpid(),
+                "rank": self.rank,
                 "guarantee": tx.guarantee, "path": tx.path, "backup": tx.backup_report(),
                 "post_check": tx.post_check, "note": tx.note, "plan": self.plan_note, "extra_host_bytes": tx.extra_host,
                 "extra_device_bytes": tx.extra_device, **kw}
@@ -547,6 +568,7 @@ class WorkerRefit:
             return _fail("refused", "unchanged", f"update {txid!r} passed its deadline {late:.1f} s ago (timeout_s): "
                          "not written", {}, [])
         t0 = _now()
+        tx.marks.append(("commit", t0))
         dev = self.device
         if dev.type == "cuda":
             base_alloc = _reset_peak(dev)
@@ -579,6 +601,7 @@ class WorkerRefit:
         except BaseException as e:  # noqa: BLE001 - everything below decides what the engine holds now
             error = e
         tx.stage("commit", _now() - t0)
+        tx.mark("written")
         if dev.type == "cuda":
             tx.extra_device = max(tx.extra_device, _peak(dev) - base_alloc)
         if error is not None:
@@ -589,7 +612,9 @@ class WorkerRefit:
         mixed.clear_worker()
         if not tx.partial:
             wake.set_discarded(self.worker, False)  # valid weights again
-        ev = weights.fire(self.worker, "rlpatch_refit", "worker", version=version)
+        # logged by the caller and the engine core (a log line costs the update ~50 us here)
+        ev = weights.fire(self.worker, "rlpatch_refit", "worker", version=version, log_level=logging.DEBUG)
+        tx.mark("fired")
         out = self._result(tx, ok=True, state="committed", version=ev.version,
                            findings=findings.as_dict() if findings else None)
         if release:
@@ -600,9 +625,8 @@ class WorkerRefit:
     def _write_plan(self, tx: _Tx, part: _Part, live_proven: bool = False) -> None:
         plan = self.plan
         tmpl = self._template_of(part)
-        aliases = self.schema().aliases
-        names = {n for n in part.names if n not in aliases}
-        ekey = (plan, frozenset(names))  # the plan object itself: an id could be reused
+        names = part.plan_names
+        ekey = (plan, names)  # the plan object itself: an id could be reused
         if tmpl is not None and tmpl.get("entries_key") == ekey:
             entries = tmpl["entries"]
         else:
@@ -666,15 +690,18 @@ class WorkerRefit:
                                        f"bytes: {', '.join(bad[:6])}", kind="commit")
                 return
             graph = self._copy_graph(part, entries, sources) if not tx.fault else None
+            tx.marks.append(("write", t1))
             if graph is not None:
                 graph.replay()  # the template's copies, captured once: one launch
                 tx.check("copy_graph")
             else:
                 plan.copy(entries, sources)
             tx.written = True
+            tx.mark("launched")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         tx.stage("write", _now() - t1)
+        tx.mark("synced")
         tx.check("plan_copy")
         if tx.verify or tx.guarantee == "validate-then-write":
             t1 = _now()

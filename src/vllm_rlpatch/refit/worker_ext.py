@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import time
 from typing import Any
 
 from vllm_rlpatch import _role, registry
@@ -71,11 +72,15 @@ class RLPatchWorkerExtension:
                              final: bool = True, rest: bool = False) -> dict[str, Any]:
         """``rest`` (the engine core adds it while no request is scheduled): a commit that ends the update
         (``release``) rests this worker's RPC reader (:func:`~vllm_rlpatch.hooks.workerctx.rest_rpc_reader`)."""
+        t_enter = time.perf_counter()
         if request is not None:
             weights.settle(self, raise_mixed=False)
         try:
-            return transaction.for_worker(self).commit(txid, version=version, release=release, request=request,
-                                                       final=final)
+            out = transaction.for_worker(self).commit(txid, version=version, release=release, request=request,
+                                                      final=final)
+            # this process's monotonic clock: the front end splits its round trip with it (coordinator.rpc_split)
+            out["clock"] = {"enter": t_enter, "exit": time.perf_counter()}
+            return out
         finally:
             if release and rest:  # the update's last RPC (else a release or an abort follows)
                 workerctx.rest_rpc_reader()
