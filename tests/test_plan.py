@@ -40,6 +40,14 @@ def test_a_repointed_parameter_invalidates_the_plan(result):
     assert result["live_after_restore"] is None
 
 
+def test_a_parameter_replaced_on_the_model_invalidates_the_plan(result):
+    r = result
+    assert r["holders"] >= r["params"]
+    qual, why = r["live_after_replace"]
+    assert why.startswith(f"{qual}: the model's tensor there was replaced"), r["live_after_replace"]
+    assert r["live_same_storage"] is None and r["live_after_put_back"] == [None, None]
+
+
 def test_validate_then_write_proves_its_preconditions(result):
     r = result
     assert "not contiguous" in r["pre_noncontiguous"]

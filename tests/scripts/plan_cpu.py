@@ -104,6 +104,18 @@ def main():
         out["live_after_repoint"] = plan.live()
         p0.data = old_data
         out["live_after_restore"] = plan.live()
+        # a tensor replaced on the model by a new object: the plan's own reference still has its storage, but the
+        # model computes with the new one (the plan would write where nothing reads); a new object on the same
+        # storage is still live
+        qual, d, attr, _ = plan.holders[0]
+        orig = d[attr]
+        d[attr] = torch.nn.Parameter(orig.data.clone(), requires_grad=False)
+        out["live_after_replace"] = [qual, plan.live()]
+        d[attr] = torch.nn.Parameter(orig.data, requires_grad=False)
+        out["live_same_storage"] = plan.live()
+        d[attr] = orig
+        out["live_after_put_back"] = [plan.live(), plan.live()]
+        out["holders"] = len(plan.holders)
         # what validate-then-write proves before the first write
         name = next(e.name for e in entries if e.dst.dim() == 2)
         e_name = [e for e in entries if e.name == name]

@@ -15,7 +15,8 @@ unusable, as does a copy into anything that is not a parameter or buffer of the 
 Trust: a plan is used only after it was verified against a real update that went through vLLM's own
 layerwise reload: every recorded destination window must hold exactly the source window it names. It stays
 trusted only while every destination is still the model's live storage (:meth:`CopyPlan.live`: a
-``data_ptr`` check before each use); anything that re-points a parameter (a reload, sleep level 2, a LoRA
+``data_ptr`` check before each use, and the model's modules still hold tensors on those storages: a parameter
+replaced by a new object elsewhere would leave the plan writing where the model no longer reads); anything that re-points a parameter (a reload, sleep level 2, a LoRA
 change) invalidates it, and the next complete layerwise update captures a new one.
 
 With a plan, a write is plain copies that cannot fail part-way once validated, which is what the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from typing import Any
 
@@ -101,12 +103,17 @@ class _Capture(TorchDispatchMode):
 
 
 class CopyPlan:
-    def __init__(self, entries: list[Entry], names: list[str], seconds: float):
+    def __init__(self, entries: list[Entry], names: list[str], seconds: float,
+                 holders: list[tuple[str, dict, str, int]] | None = None):
         self.entries = entries
         self.names = frozenset(names)
         self.verified = False
         self.capture_seconds = seconds
         self.copies = len(entries)
+        # every place on the model that holds a destination storage: (qualified name, the module's
+        # ``_parameters``/``_buffers`` dict, the attribute, the storage's address at capture). The plan writes
+        # through its own references; the model computes with what these hold, so :meth:`live` checks both
+        self.holders = holders or []
 
     # -------------------------------------------------------------- build
     @classmethod
@@ -138,7 +145,16 @@ class CopyPlan:
             for owner, dg, sg in cap.records:
                 entries.append(Entry(name, owner, dg, sg, owner.data.untyped_storage().data_ptr(), origin.numel()))
             names.append(name)
-        return cls(entries, names, time.perf_counter() - t0)
+        targets = {e.dst_ptr for e in entries}
+        holders = []
+        for mname, mod in model.named_modules(remove_duplicate=False):
+            for d in (mod._parameters, mod._buffers):
+                for attr, t in d.items():
+                    if t is not None and not t.is_meta and t.numel() > 0:
+                        ptr = t.untyped_storage().data_ptr()
+                        if ptr in targets:
+                            holders.append((f"{mname}.{attr}" if mname else attr, d, attr, ptr))
+        return cls(entries, names, time.perf_counter() - t0, holders)
 
     # -------------------------------------------------------------- use
     @staticmethod
@@ -203,11 +219,13 @@ class CopyPlan:
             # every update asks: first the parameters' own addresses and storage offsets (so their storages'
             # addresses) in two C-level passes, equal to those of the last full check that passed (a moved or
             # meta parameter differs: the full check then says which, by its storage)
+            # and the tensors the model holds in those places, the same objects as then (identity, in C)
             seen = self.__dict__.get("_live_ptrs")
             if seen is not None:
                 try:
                     if list(map(torch.Tensor.data_ptr, self._uniq_dst)) == seen[0] \
-                            and list(map(torch.Tensor.storage_offset, self._uniq_dst)) == seen[1]:
+                            and list(map(torch.Tensor.storage_offset, self._uniq_dst)) == seen[1] \
+                            and all(map(operator.is_, map(dict.get, self._h_dicts, self._h_attrs), seen[2])):
                         return None
                 except (RuntimeError, NotImplementedError):
                     pass
@@ -220,10 +238,23 @@ class CopyPlan:
                     self._live_ptrs = None
                     return f"{e.name}: its parameter no longer lives where the plan recorded it (re-pointed by a " \
                            "reload, a sleep or a LoRA change)"
+            for qual, d, attr, ptr in self.holders:
+                t = d.get(attr)
+                try:
+                    now = -1 if t is None or t.is_meta else t.untyped_storage().data_ptr()
+                except (RuntimeError, NotImplementedError):
+                    now = -1
+                if now != ptr:
+                    self._live_ptrs = None
+                    return f"{qual}: the model's tensor there was replaced (the model no longer computes with the " \
+                           "storage the plan writes: a reload, a LoRA change or user code re-registered it)"
             self._uniq_dst = [e.dst for e in uniq]
+            self._h_dicts = [h[1] for h in self.holders]
+            self._h_attrs = [h[2] for h in self.holders]
             try:
                 self._live_ptrs = (list(map(torch.Tensor.data_ptr, self._uniq_dst)),
-                                   list(map(torch.Tensor.storage_offset, self._uniq_dst)))
+                                   list(map(torch.Tensor.storage_offset, self._uniq_dst)),
+                                   list(map(dict.get, self._h_dicts, self._h_attrs)))
             except (RuntimeError, NotImplementedError):
                 self._live_ptrs = None
         return None
