@@ -6,12 +6,16 @@ usage: vllm-rlpatch COMMAND [options]      (vllm-rlpatch COMMAND --help: the com
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 from vllm_rlpatch import __version__
 from vllm_rlpatch.envs import EnvError
 from vllm_rlpatch.tools import demo, doctor, kvpin, options, parity, rollout, table, upstream
 from vllm_rlpatch.tools.usermodel import ToolError
+
+SIGPIPE_STATUS = 128 + signal.SIGPIPE
 
 
 def _patches(argv: list[str]) -> int:
@@ -72,31 +76,51 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _usage() -> None:
+    print(__doc__.strip())
+    print("\ncommands:")
+    for name, (_, doc) in COMMANDS.items():
+        print(f"  {name:<12} {doc}")
+
+
+def _unknown(word: str) -> str:
+    close = options.suggestion(word, COMMANDS)
+    hint = f" (did you mean {close!r}?)" if close else ""
+    if word.startswith("-"):
+        return f"vllm-rlpatch: unknown option {word!r}{hint}: the command comes first, then its options; try --help"
+    return f"vllm-rlpatch: unknown command {word!r}{hint}; try --help"
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        print("\ncommands:")
-        for name, (_, doc) in COMMANDS.items():
-            print(f"  {name:<12} {doc}")
+        _usage()
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
         print(__version__)
         return 0
     cmd = COMMANDS.get(argv[0])
     if cmd is None:
-        import difflib
-
-        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        print(f"vllm-rlpatch: unknown command {argv[0]!r}{hint}; try --help", file=sys.stderr)
+        print(_unknown(argv[0]), file=sys.stderr)
         return 2
-
     try:
         return cmd[0](argv[1:])
     except (EnvError, ToolError) as e:
         print(f"vllm-rlpatch {argv[0]}: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command. A reader that stops early (``vllm-rlpatch patches | head -1``) ends it quietly with
+    141, the status of a process killed by SIGPIPE, as shell tools do; stdout then points at /dev/null so that
+    Python's flush at exit cannot fail a second time (the recipe of Python's signal module documentation)."""
+    try:
+        try:
+            return _dispatch(list(sys.argv[1:] if argv is None else argv))
+        finally:  # also when argparse exits (--help): output still buffered must meet a closed pipe here
+            sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_STATUS
 
 
 if __name__ == "__main__":

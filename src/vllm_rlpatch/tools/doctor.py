@@ -14,7 +14,7 @@ import os
 import platform
 import sys
 from importlib import metadata
-from typing import Any
+from typing import Any, NoReturn
 
 from packaging.version import Version
 
@@ -86,11 +86,18 @@ def _jsonable(v: Any) -> Any:
 
 
 def engine_parser():
+    """vLLM's own parser of engine arguments, whose usage error is a :class:`ToolError` of one line: the command
+    says it, instead of vLLM's usage block (some 250 lines) before it."""
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:  # vLLM 0.20
         from vllm.utils import FlexibleArgumentParser  # type: ignore[no-redef]
-    return FlexibleArgumentParser(prog="vllm-rlpatch doctor --model PATH")
+
+    class EngineArgsParser(FlexibleArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            raise ToolError(f"vLLM engine arguments: {message}{options.option_hint(self, message)}")
+
+    return EngineArgsParser(prog="vllm-rlpatch doctor --model PATH")
 
 
 def engine_settings(model: str, engine_argv: list[str]) -> dict[str, Any]:
@@ -308,7 +315,7 @@ def main(argv: list[str]) -> int:
     args, rest = ap.parse_known_args(argv)
     options.apply_log_options(args)
     if rest and args.model is None:
-        ap.error(f"unrecognized arguments: {' '.join(rest)} (engine arguments need --model)")
+        ap.error(f"unrecognized arguments: {' '.join(rest)}; engine arguments need --model")
     if args.model is not None:
         try:
             args.model = usermodel.resolve_for(args, "doctor --model")

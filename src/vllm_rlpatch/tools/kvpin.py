@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None, backend: Backend | None = None) -> int:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(result, indent=1))
             tmp.replace(path)
-    except UsageError as e:
+    except (UsageError, usermodel.ToolError) as e:  # ToolError: vLLM refused an engine argument
         print(f"vllm-rlpatch kv-pin: {e}", file=sys.stderr)
         return 2
     except KvPinError as e:

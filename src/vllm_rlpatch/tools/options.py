@@ -1,5 +1,6 @@
-"""What every ``vllm-rlpatch`` command shares: plain-text help that shows each option's default, and
-``--quiet`` / ``--verbose`` for vLLM's log level in the command's own process (so the report stands out)."""
+"""What every ``vllm-rlpatch`` command shares: plain-text help that shows each option's default, usage errors
+of one line (with a "did you mean" for a near miss), and ``--quiet`` / ``--verbose`` for vLLM's log level in the
+command's own process (so the report stands out)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ import argparse
 import contextlib
 import functools
 import os
+import re
+from collections.abc import Iterable
+from typing import NoReturn
 
 LEVELS = {"quiet": "ERROR", "default": "WARNING", "verbose": "INFO", "debug": "DEBUG"}
+UNRECOGNIZED = "unrecognized arguments: "  # argparse's wording of an unknown option, the one error with a hint
+LONG_OPTION = re.compile(r"(?<!\S)--[\w-]+")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -26,8 +32,51 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return help_
 
 
-def parser(prog: str, description: str | None = None, **kw) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter, **kw)
+def edit_distance(a: str, b: str) -> int:
+    """Insertions, deletions, substitutions and swaps of neighbours (optimal string alignment) from a to b."""
+    prev2, prev = [], list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            d = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                d = min(d, prev2[j - 2] + 1)
+            cur.append(d)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def suggestion(word: str, candidates: Iterable[str]) -> str | None:
+    """The candidate ``word`` is a typo of, or None. A typo is a few edits away: 1 for a word of up to 4
+    letters, 2 up to 12, 3 beyond (leading dashes not counted); anything further is a different word, and
+    suggesting it misleads more than it helps (``--bogus`` is not ``bounds``)."""
+    size = len(word.lstrip("-"))
+    allowed = 1 if size <= 4 else 2 if size <= 12 else 3
+    best = min(candidates, key=lambda c: edit_distance(word, c), default=None)
+    return best if best is not None and edit_distance(word, best) <= allowed else None
+
+
+def option_hint(ap: argparse.ArgumentParser, message: str) -> str:
+    """``; did you mean '--x'?`` for an argparse "unrecognized arguments" error whose first unknown option is a
+    typo of one of ``ap``'s options, else ``""``."""
+    first = LONG_OPTION.search(message, len(UNRECOGNIZED)) if message.startswith(UNRECOGNIZED) else None
+    if first is None:
+        return ""
+    known = (s for action in ap._actions for s in action.option_strings if s.startswith("--"))
+    close = suggestion(first.group(), known)
+    return f"; did you mean {close!r}?" if close else ""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """A usage error is one line on stderr and exit 2: ``PROG: what is wrong (see PROG --help)``. argparse's
+    usage block before it would bury the one line that says what to fix."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}{option_hint(self, message)} (see {self.prog} --help)\n")
+
+
+def parser(prog: str, description: str | None = None, **kw) -> ArgumentParser:
+    return ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter, **kw)
 
 
 def add_log_options(ap: argparse.ArgumentParser) -> None:
