@@ -163,14 +163,17 @@ def _runnable_elsewhere() -> int | None:
 def pass_threads() -> int:
     """The intra-op threads a CPU check pass takes now: torch's setting for this thread, less the CPUs that
     other processes' runnable tasks hold (their share of this process's CPUs, where it may use fewer than the
-    machine's); at least 1."""
+    machine's); at least 1. A runnable task is counted even where it would give its CPU away (vLLM's idle
+    workers spin on ``sched_yield`` for a second after each message): then the pass takes fewer threads than it
+    could, never more. (Timing a parallel region instead does not tell: its first run after a pause is fast
+    under load too, while OpenMP's threads sleep.)"""
     have = torch.get_num_threads()
     if have <= 1:
         return have
     busy = _runnable_elsewhere()
     if busy is None:
         return have
-    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or have)
+    mine = len(os.sched_getaffinity(0))  # /proc answered: Linux
     held = math.floor(busy * mine / max(os.cpu_count() or mine, mine) + 0.5)
     return max(1, min(have, mine - held))
 
@@ -182,9 +185,9 @@ def bounded_threads():
     Why: every parallel region of OpenMP ends in a barrier. With another process holding one of the CPUs, each
     region of a check pass (a few per 4 MiB chunk) waits for a descheduled thread, a scheduler slice of
     milliseconds: the default update took 3.3x the time of an unchecked one on two cores with one busy
-    process, 1.2x on an idle host. Fewer threads than CPUs never wait. The setting is the calling thread's
-    (OpenMP's thread count is per thread); a thread that makes its first torch call during the pass starts
-    with the lowered count."""
+    process, 1.2x on an idle host. Threads no more than the free CPUs do not wait on one another. The setting is
+    the calling thread's (OpenMP's thread count is per thread); a thread that makes its first torch call during
+    the pass starts with the lowered count."""
     old = torch.get_num_threads()
     n = pass_threads()
     if n >= old:
