@@ -75,3 +75,65 @@ def test_the_triton_kernels_copy_check_and_digest_by_the_definition():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["copied"] and out["copy_bad"] == [] and out["detects"] == [2] and out["digest_kernel_equal"]
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """Torch at 2 intra-op threads on a process that may use 2 of the machine's CPUs (restored after)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(C.os, "cpu_count", lambda: 2)
+    yield monkeypatch
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("busy, cpus, want", [(0, 2, 2), (1, 2, 1), (5, 2, 1), (None, 2, 2), (1, 128, 2), (64, 128, 1)])
+def test_a_check_pass_takes_the_cpus_other_processes_leave(two_threads, busy, cpus, want):
+    two_threads.setattr(C, "_runnable_elsewhere", lambda: busy)
+    two_threads.setattr(C.os, "cpu_count", lambda: cpus)
+    assert C.pass_threads() == want
+    with C.bounded_threads():
+        assert torch.get_num_threads() == want
+    assert torch.get_num_threads() == 2
+
+
+def test_the_threads_are_restored_when_the_pass_fails(two_threads):
+    two_threads.setattr(C, "_runnable_elsewhere", lambda: 1)
+    with pytest.raises(ValueError), C.bounded_threads():
+        assert torch.get_num_threads() == 1
+        raise ValueError("a failing pass")
+    assert torch.get_num_threads() == 2
+
+
+def test_bounded_passes_give_the_same_digests(two_threads):
+    ts = [torch.randn(3000, 701).to(torch.bfloat16), torch.randn(5000), torch.randint(-9, 9, (777,))]
+    free = [C.digest_torch(t) for t in ts]
+    two_threads.setattr(C, "_runnable_elsewhere", lambda: 1)
+    seen = []
+    two_threads.setattr(C, "digest_torch", lambda t: seen.append(torch.get_num_threads()) or free[len(seen) - 1])
+    assert C.digests(ts) == free and seen == [1, 1, 1]
+    buf = torch.empty(sum(t.numel() * t.element_size() for t in ts), dtype=torch.uint8)
+    offs = [0]
+    for t in ts:
+        offs.append(offs[-1] + t.numel() * t.element_size())
+    assert C.pack_and_digest([(t, buf[a:b]) for t, a, b in zip(ts, offs, offs[1:])]) == free
+    assert torch.get_num_threads() == 2
+
+
+def test_another_process_that_spins_is_seen_as_runnable():
+    import subprocess
+    import sys
+    import time
+
+    if C._runnable_elsewhere() is None:
+        pytest.skip("no /proc here")
+    spin = subprocess.Popen([sys.executable, "-c", "import sys; print(flush=True); exec('while True: pass')"],
+                            stdout=subprocess.PIPE)
+    try:
+        spin.stdout.readline()
+        time.sleep(0.05)
+        assert C._runnable_elsewhere() >= 1
+    finally:
+        spin.kill()
+        spin.wait()

@@ -18,12 +18,18 @@ instead of three: copy, checksum, finite check).
 
 The checksum detects corrupt, truncated, stale or misplaced bytes, not an adversary. "Unchanged" in the tests
 is ``torch.equal`` against a copy, never a checksum.
+
+A pass over CPU tensors runs with torch's intra-op threads lowered to the CPUs that no other process's runnable
+task holds at its start (:func:`bounded_threads`), and restored after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
+import os
 import threading
 from typing import Iterable, Sequence
 
@@ -131,6 +137,67 @@ def digest_torch(t: torch.Tensor) -> Digest:
     b = _bytes_of(t)
     s, p = _sums_torch(b)
     return Digest(s, p, int(_nonfinite(t)), b.numel())
+
+
+# ------------------------------------------------------------------------------------------ CPU threads
+def _runnable_elsewhere() -> int | None:
+    """Runnable tasks of other processes now: the kernel's count of runnable tasks (``/proc/loadavg``) less
+    this process's own (its OpenMP threads spin for a while after each parallel region, and the caller runs).
+    None where ``/proc`` does not tell."""
+    try:
+        with open("/proc/loadavg") as fh:
+            running = int(fh.read().split()[3].split("/")[0])
+        tids = os.listdir("/proc/self/task")
+    except (OSError, ValueError, IndexError):
+        return None
+    own = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                own += fh.read().rpartition(")")[2].split()[0] == "R"
+        except (OSError, IndexError):  # a thread that ended meanwhile
+            continue
+    return max(0, running - own)
+
+
+def pass_threads() -> int:
+    """The intra-op threads a CPU check pass takes now: torch's setting for this thread, less the CPUs that
+    other processes' runnable tasks hold (their share of this process's CPUs, where it may use fewer than the
+    machine's); at least 1. A runnable task is counted even where it would give its CPU away (vLLM's idle
+    workers spin on ``sched_yield`` for a second after each message): then the pass takes fewer threads than it
+    could, never more. (Timing a parallel region instead does not tell: its first run after a pause is fast
+    under load too, while OpenMP's threads sleep.)"""
+    have = torch.get_num_threads()
+    if have <= 1:
+        return have
+    busy = _runnable_elsewhere()
+    if busy is None:
+        return have
+    mine = len(os.sched_getaffinity(0))  # /proc answered: Linux
+    held = math.floor(busy * mine / max(os.cpu_count() or mine, mine) + 0.5)
+    return max(1, min(have, mine - held))
+
+
+@contextlib.contextmanager
+def bounded_threads():
+    """Torch's intra-op threads lowered to :func:`pass_threads` for a pass over CPU tensors, then restored.
+
+    Why: every parallel region of OpenMP ends in a barrier. With another process holding one of the CPUs, each
+    region of a check pass (a few per 4 MiB chunk) waits for a descheduled thread, a scheduler slice of
+    milliseconds: the default update took 3.3x the time of an unchecked one on two cores with one busy
+    process, 1.2x on an idle host. Threads no more than the free CPUs do not wait on one another. The setting is
+    the calling thread's (OpenMP's thread count is per thread); a thread that makes its first torch call during
+    the pass starts with the lowered count."""
+    old = torch.get_num_threads()
+    n = pass_threads()
+    if n >= old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 # ------------------------------------------------------------------------------------------ Triton (GPU)
@@ -369,11 +436,15 @@ def digests(tensors: Iterable[torch.Tensor]) -> list[Digest]:
             return hit.digests()
     out: list[Digest | None] = [None] * len(tensors)
     by_dev: dict[torch.device, list[int]] = {}
+    rest = []
     for i, t in enumerate(tensors):
         if _kernel_ok(t) and kernel_available(t.device):
             by_dev.setdefault(t.device, []).append(i)
         else:
-            out[i] = digest_torch(t)
+            rest.append(i)
+    with bounded_threads() if any(tensors[i].device.type == "cpu" for i in rest) else contextlib.nullcontext():
+        for i in rest:
+            out[i] = digest_torch(tensors[i])
     for dev, idx in by_dev.items():
         try:
             ds = _digest_kernel([tensors[i] for i in idx])
@@ -554,9 +625,9 @@ PACK_CHUNK = 4 << 20  # bytes: a multiple of the 16 KiB block, small enough to s
 def pack_and_digest(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *, check: bool = True) -> list[Digest | None]:
     """Copy each ``(source tensor, destination uint8 slice)`` and digest the destination in the same trip:
     chunk by chunk, each chunk's checksum and finite check read it while it is still in the cache.
-    ``check=False``: copy only (digests are None)."""
+    ``check=False``: copy only (digests are None). CPU tensors: the pass runs under :func:`bounded_threads`."""
     out: list[Digest | None] = []
-    with torch.no_grad():
+    with torch.no_grad(), bounded_threads():
         for src, dst in pairs:
             sb = _bytes_of(src)
             n = sb.numel()
