@@ -40,7 +40,7 @@ ALLOWED_OVER: dict[str, str] = {
     "refit/fleet.py": "to shrink: fleet on the sender interface",
     "refit/fleet.py::push_fleet": "to shrink: fleet on the sender interface",
     "refit/http.py::install_routes": "to split: one function per route",
-    "refit/checks.py": "one job: verifying an update's bytes (digest kernels, their fallbacks and checks)",
+    "refit/checks.py": "one job: verifying an update's bytes (digests, copy checks, pack-and-digest; kernel and torch)",
     "tools/parity.py": "to split: run, measure, render",
     "tools/parity.py::run": "to split with tools/parity.py",
     "tools/parity.py::main": "to split with tools/parity.py",
