@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    import reference as R
+    from support import reference as R
     from grpo_rollout import stock_env
 
     from vllm_rlpatch.models import path

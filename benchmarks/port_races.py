@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import vllm
 
-    import portrace
+    from support import portrace
 
     per_proc = 2 if args.quick else 8
     doc = {"benchmark": "port_races", "vllm": vllm.__version__, "device": "cpu", "host": platform.node(),

@@ -1,11 +1,15 @@
-"""Static checks of the package's shape (no vLLM needed): the function-local imports that remain, and
-private names used across modules. Used by tests/test_layers.py and by .ci/run (python tests/layers.py)."""
+"""Static checks of the package's shape (no vLLM needed): the function-local imports that remain, private names
+used across modules, import cycles (``--cycles``, needs grimp), and the measures of tests/shape.py (sizes,
+transport-name comparisons, message-text classifications). Used by tests/source_level/test_layers.py and by
+.ci/run (``python tests/layers.py --cycles``); ``--shape`` prints the measures only and always exits 0."""
 
 from __future__ import annotations
 
 import ast
 import sys
 from pathlib import Path
+
+import shape
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = "vllm_rlpatch"
@@ -179,11 +183,27 @@ def import_cycles() -> list[str]:
     return out
 
 
+def main(argv: list[str]) -> int:
+    measures = shape.Measures.read()
+    print("=== package shape: sizes, transport-name comparisons, message-text classifications (tests/shape.py)")
+    print(measures.table())
+    if "--shape" in argv:
+        return 0
+    checks = {
+        "function-local imports deferring nothing": needless_local_imports(),
+        "private names used across modules": private_names_across_modules(),
+        "shape: over a limit unlisted, stale lists, transport names, message text": measures.problems(),
+    }
+    if "--cycles" in argv:
+        checks["import cycles"] = import_cycles()
+    for name, found in checks.items():
+        print(f"{name}: {len(found)}")
+        for p in found:
+            print(f"  {p}")
+    problems = sum(len(found) for found in checks.values())
+    print(f"{problems} problem(s)" if problems else "package shape: ok")
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
-    problems = needless_local_imports() + private_names_across_modules()
-    if "--cycles" in sys.argv:
-        problems += import_cycles()
-    for p in problems:
-        print(p)
-    print(f"{len(problems)} problem(s)" if problems else "package shape: ok")
-    sys.exit(1 if problems else 0)
+    sys.exit(main(sys.argv[1:]))

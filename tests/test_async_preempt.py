@@ -5,7 +5,8 @@ end, the GPU run is in benchmarks/results/async_safety-*.json)."""
 import pytest
 from packaging.version import Version
 
-from conftest import model_path, run_script
+from support.env import model_path
+from support.runs import run_script
 
 pytestmark = pytest.mark.vllm
 

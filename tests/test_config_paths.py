@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS, model_path, run_py
+from support.env import SCRIPTS, model_path
+from support.runs import run_py
 
 ALL_MODES = ["engine_args", "engine_args:raw+auto", "async_engine_args", "async_engine_args:raw+auto", "cli",
              "cli:raw+auto", "engine_args:head", "cli:head"]
@@ -19,7 +20,7 @@ def _run(modes, **env):
     import subprocess
     import sys
 
-    from conftest import clean_env
+    from support.env import clean_env
 
     proc = subprocess.run([sys.executable, str(SCRIPTS / "config_paths.py"), ",".join(modes), model_path()],
                           capture_output=True, text=True, timeout=600, env=clean_env(**env))

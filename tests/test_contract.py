@@ -174,7 +174,7 @@ def test_patches_applied_before_vllm_imports_their_targets_wrap_what_they_wrap_a
     import subprocess
     import sys
 
-    from conftest import SCRIPTS
+    from support.env import SCRIPTS
 
     out = {}
     for order in ("before", "after"):

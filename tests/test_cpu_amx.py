@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from conftest import amx_host, amx_sigill_here, model_path, run_engine, run_py
+from support.env import amx_host, amx_sigill_here, model_path
+from support.runs import run_engine, run_py
 
 pytestmark = pytest.mark.vllm
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import clean_env, model_path
+from support.env import clean_env, model_path
 
 from vllm_rlpatch.patches import ALL_PATCHES
 

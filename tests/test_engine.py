@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from conftest import NEWEST_CI, amx_host, amx_sigill_here, model_path, run_engine
+from support.env import NEWEST_CI, amx_host, amx_sigill_here, model_path
+from support.runs import run_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -172,7 +173,7 @@ def test_async_llm_gets_the_defaults_and_counts_async_updates(tmp_path):
     import subprocess
     import sys
 
-    from conftest import SCRIPTS, clean_env
+    from support.env import SCRIPTS, clean_env
 
     p = subprocess.run([sys.executable, str(SCRIPTS / "run_async_engine.py"), model_path()], capture_output=True,
                        text=True, timeout=600, env=clean_env(), cwd=str(tmp_path))

@@ -7,7 +7,7 @@ tests/test_fleet_protocol.py."""
 
 import pytest
 
-from fleet_helpers import lps as _lps, run_fleet_script, tokens as _tokens, vs_reference as _vs_reference
+from support.fleet import lps as _lps, run_fleet_script, tokens as _tokens, vs_reference as _vs_reference
 
 pytestmark = pytest.mark.vllm
 

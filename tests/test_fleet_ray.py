@@ -6,8 +6,8 @@ into each actor. A good update, a refusal in one actor's prepare, a failure afte
 
 import pytest
 
-from conftest import skip_unless_newest
-from fleet_helpers import lps as _lps, run_fleet_script, tokens as _tokens, vs_reference as _vs_reference
+from support.env import skip_unless_newest
+from support.fleet import lps as _lps, run_fleet_script, tokens as _tokens, vs_reference as _vs_reference
 
 pytestmark = pytest.mark.vllm
 

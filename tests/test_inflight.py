@@ -11,8 +11,9 @@ import json
 
 import pytest
 
-import reference as R
-from conftest import model_path, run_script
+from support import reference as R
+from support.env import model_path
+from support.runs import run_script
 from test_rl_correctness import _BASE
 
 pytestmark = pytest.mark.vllm

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import skip_unless_newest
+from support.env import skip_unless_newest
 
 ROOT = Path(__file__).resolve().parents[1]
 

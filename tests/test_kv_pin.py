@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-from conftest import clean_env, model_path, run_engine
-from kvpin_sim import GiB, SimDevice, SimOOM
+from support.env import clean_env, model_path
+from support.kvpin_sim import GiB, SimDevice, SimOOM
+from support.runs import run_engine
 
 from vllm_rlpatch import envs
 from vllm_rlpatch.tools import kvpin

@@ -7,8 +7,9 @@ on a GPU."""
 
 import pytest
 
-import reference as R
-from conftest import model_path, run_script
+from support import reference as R
+from support.env import model_path
+from support.runs import run_script
 
 pytestmark = pytest.mark.vllm
 

@@ -15,8 +15,8 @@ import socket
 import pytest
 from packaging.version import Version
 
-import portrace
-from conftest import vllm_version
+from support import portrace
+from support.env import vllm_version
 
 V = Version(vllm_version().split("+")[0])
 MQ_BUG = V < Version("0.28")
@@ -205,7 +205,7 @@ def test_tcpstore_not_needed_where_upstream_binds_the_store():
 def test_tp2_engine_across_two_hosts(two_hosts):
     import re
 
-    from conftest import model_path
+    from support.env import model_path
 
     vport = 30000
     r = portrace.two_host_engine(two_hosts, model_path(), env_extra={

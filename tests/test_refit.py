@@ -13,8 +13,9 @@ import math
 
 import pytest
 
-import reference as R
-from conftest import STOCK, model_path, run_script
+from support import reference as R
+from support.env import STOCK, model_path
+from support.runs import run_script
 
 pytestmark = pytest.mark.vllm
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env, model_path, skip_unless_newest
+from support.env import clean_env, model_path, skip_unless_newest
 
 pytestmark = pytest.mark.vllm
 SMALL = ["--embedded", "--num-prompts", "6", "--n", "2", "--temperature", "0.7", "--top-p", "0.9"]

@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-import reference as R
-from conftest import SCRIPTS, clean_env, model_path
+from support import reference as R
+from support.env import SCRIPTS, clean_env, model_path
 
 pytestmark = pytest.mark.vllm
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import model_path
+from support.env import model_path
 
 
 @pytest.fixture()
@@ -304,7 +304,7 @@ def test_the_mrv2_rules_match_mrv2s_own_kernels_run_by_tritons_interpreter():
 
     from packaging.version import Version
 
-    from conftest import vllm_version
+    from support.env import vllm_version
 
     if Version(vllm_version().split("+")[0]) < Version("0.29"):
         pytest.skip(f"vLLM {vllm_version()} has no Model Runner V2 sampler (0.29+)")

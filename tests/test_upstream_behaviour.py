@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-import portrace
-from conftest import clean_env, vllm_version
+from support import portrace
+from support.env import clean_env, vllm_version
 from vllm_rlpatch.tools import upstream
 
 V = vllm_version().split("+")[0]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-import reference as R
-from conftest import clean_env, skip_unless_newest
+from support import reference as R
+from support.env import clean_env, skip_unless_newest
 
 pytestmark = pytest.mark.vllm
 

@@ -118,11 +118,13 @@ def run(work: Path, allow_v1: bool, engine_timeout: float = 300) -> dict:
     import importlib.metadata as md
 
     import probe as P
-    import reference as R
     import torch
     import vllm
 
-    from conftest import model_path, summaries_in
+    import vllm_rlpatch.plugin  # noqa: F401 - the composition root hands the patch list to the registry
+    from support import reference as R
+    from support.env import model_path
+    from support.logs import summaries_in
     from test_rl_correctness import LONG, SHORT as SHORT8
     from vllm_rlpatch import _wrapping, registry
     from vllm_rlpatch.patches import ALL_PATCHES

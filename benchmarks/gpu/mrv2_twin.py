@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"error: this python has no working vLLM: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    from conftest import model_path
+    from support.env import model_path
     from probe import run_script_args
 
     from vllm_rlpatch.trainer import processed_logprobs

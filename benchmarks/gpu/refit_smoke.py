@@ -36,7 +36,7 @@ def greedy(llm, vllm):
 
 
 def vs_reference(outs, weights_dir):
-    import reference as R
+    from support import reference as R
 
     model = R.load(weights_dir)
     got, ref = [], []
@@ -101,7 +101,7 @@ def run_engine(res, key, base, weights, **engine):
 
 
 def main():
-    import reference as R
+    from support import reference as R
     import torch
 
     from vllm_rlpatch.models import path

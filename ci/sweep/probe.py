@@ -67,7 +67,7 @@ def topk_probe(requests: list[dict]) -> dict:
 def _err(run_requests, weights_dir, sampling) -> dict:
     """The mismatch (tests/reference.py) of the request that agrees worst with the fp32 reference of
     WEIGHTS_DIR."""
-    import reference as R
+    from support import reference as R
 
     model = R.load(weights_dir)
     ms = [R.mismatch(q["logprobs"], R.token_logprobs(model, q["prompt_token_ids"], q["token_ids"],
@@ -102,7 +102,7 @@ def run_script_args(script: str, args: list[str], work: Path, timeout: float = 9
     recorded in the JSON, not an assertion."""
     import subprocess
 
-    from conftest import SCRIPTS, clean_env
+    from support.env import SCRIPTS, clean_env
 
     p = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True,
                        timeout=timeout, env=clean_env(**env), cwd=str(work))
@@ -137,7 +137,9 @@ def probe(work: Path) -> dict:
 
     import torch
 
-    from conftest import amx_host, model_path, summaries_in
+    import vllm_rlpatch.plugin  # noqa: F401 - the composition root hands the patch list to the registry
+    from support.env import amx_host, model_path
+    from support.logs import summaries_in
     from vllm_rlpatch import _wrapping, registry
     from vllm_rlpatch.patches import ALL_PATCHES
     from vllm_rlpatch.tools.targets import all_targets
@@ -161,7 +163,7 @@ def probe(work: Path) -> dict:
     s.check("no_patch_unsupported_or_failed", not bad_gate, states={n: d[0] for n, d in decided.items()},
             bad=bad_gate)
 
-    import reference as R
+    from support import reference as R
 
     weights_b = R.perturbed_copy(model_path(), str(work / "llama-B"), scale=1.0, seed=7)
     from test_rl_correctness import LONG
@@ -258,7 +260,7 @@ def probe(work: Path) -> dict:
                                             f"(token_mult_prob_error {err:.3f} vs the new weights)"}
 
     # -- engine-free probes on vLLM's real code ------------------------------------------------------------
-    import portrace
+    from support import portrace
 
     say("MessageQueue bind race (4 processes, vLLM's probe-then-bind, 1 s window), unpatched")
     try:

@@ -19,13 +19,13 @@ import time
 import uuid
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-STRESS = HERE / "scripts" / "port_stress.py"
+TESTS = Path(__file__).resolve().parents[1]
+STRESS = TESTS / "scripts" / "port_stress.py"
 
 
 def env_for(patch: str, patched: bool | None, lease_dir: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_RLPATCH_") and k != "VLLM_PORT"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["VLLM_RLPATCH_PORT_LEASE_DIR"] = lease_dir
     if patched is None:
         env["VLLM_RLPATCH_ENABLED"] = "0"
@@ -252,9 +252,9 @@ def tcpstore_trial(*, procs: int, threads: int, hold: float, patched: bool | Non
 def two_host_engine(hosts: TwoHosts, model: str, *, env_extra: dict[str, str], timeout: float = 400) -> dict:
     """A TP=2 engine with one rank on each host (vLLM's multi-node mp executor); node 0 generates 8 greedy
     tokens. Returns node 0's RESULT plus both hosts' logs."""
-    script = str(HERE / "scripts" / "multinode_engine.py")
+    script = str(TESTS / "scripts" / "multinode_engine.py")
     base = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_RLPATCH_") and k != "VLLM_PORT"}
-    base["PYTHONPATH"] = os.pathsep.join([str(HERE), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    base["PYTHONPATH"] = os.pathsep.join([str(TESTS), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     base.update(env_extra)
     master_port = "29555"
     env_b = dict(base, VLLM_HOST_IP=hosts.ip_b, GLOO_SOCKET_IFNAME=hosts._vb, VLLM_CPU_OMP_THREADS_BIND="1")

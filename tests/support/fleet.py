@@ -4,8 +4,9 @@ its recorded generations."""
 
 import json
 
-import reference as R
-from conftest import model_path, run_script
+from support import reference as R
+from support.env import model_path
+from support.runs import run_script
 
 EXT = "helpers_ext.FrameworkExtension"
 
