@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import clean_env
+from support.env import clean_env
 
 from vllm_rlpatch.tools import cli, options
 
