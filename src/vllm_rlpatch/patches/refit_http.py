@@ -211,7 +211,7 @@ class _StreamFields:
     def fields(self, i: int) -> dict:
         p = self.pending.pop(i)
         out: dict[str, Any] = {VERSIONS: p.spans}
-        if p.support:
+        if p.support or i in self.engine:  # once a choice has support, its chunks all carry entries (null: none)
             out[SUPPORT] = {"log_mass_kept": p.lm, "kept_count": p.cnt}
             if self.engine.get(i) is not None:
                 out[SUPPORT]["engine"], self.engine[i] = self.engine[i], None  # once per choice
