@@ -1,5 +1,8 @@
 """`vllm serve` with the plugin installed: a real OpenAI-compatible server (CPU sizing, tensor parallel 2), its
-logprobs and logs, and the refit routes (/rlpatch/v1/*) driven by trainer processes over HTTP."""
+logprobs and logs, per-token weight versions and support information in full and streamed responses (read with
+the `openai` client too), and the refit routes (/rlpatch/v1/*) driven by trainer processes over HTTP.
+
+Tests run in file order on one server: those before the refit section see the weights it started with."""
 
 import json
 import os
@@ -13,6 +16,7 @@ import pytest
 
 from support import reference as R
 from support.env import SCRIPTS, clean_env, model_path
+from support.runs import run_script
 
 pytestmark = pytest.mark.vllm
 
@@ -82,6 +86,7 @@ def test_served_logprobs_are_processed(server):
         finite = sorted((v for v in t.values() if v > -9999), reverse=True)
         assert len(finite) <= 3 or finite[2] == finite[-1], t
     assert sum(any(v <= -9999 for v in t.values()) for t in tops) >= len(tops) // 2, tops
+    assert "rlpatch_support" not in r["choices"][0]  # not asked for
 
 
 def test_server_logs_the_rl_decisions(server):
@@ -91,6 +96,137 @@ def test_server_logs_the_rl_decisions(server):
     assert "vllm-rlpatch: generation_config='vllm' (plugin" in log
     assert "role=cli" in log or "role=frontend" in log
     assert "role=engine_core" in log
+
+
+# ------------------------------------------------------------------------------------------ per-token fields
+ASK = {"vllm_xargs": {"rlpatch_support": True}}  # the OpenAI client sends it as extra_body
+VERSIONS = "rlpatch_weight_versions"
+PROMPTS = ["the quick cat sees", "12 + 7 ="]
+SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 11, "max_tokens": 10, "ignore_eos": True}
+REQUESTS = {  # (path, body, the token ids of one choice of a full response or a chunk)
+    "completions": ("/v1/completions", {"prompt": PROMPTS, "n": 2, "logprobs": 0},
+                    lambda ch: [int(t.split(":")[1]) for t in (ch.get("logprobs") or {}).get("tokens") or ()]),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}], "n": 2,
+                                      "logprobs": True, "top_logprobs": 0},
+             lambda ch: [int(t["token"].split(":")[1]) for t in (ch.get("logprobs") or {}).get("content") or ()]),
+}
+
+
+def _sse(url, body):
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return [json.loads(ln[6:]) for ln in (raw.decode().strip() for raw in r)
+                if ln.startswith("data: ") and ln != "data: [DONE]"]
+
+
+def _add_spans(into, spans, offset):
+    for s, e, v, kv in spans:
+        if into and into[-1][1] == s + offset and into[-1][2:] == [v, kv]:
+            into[-1][1] = e + offset
+        else:
+            into.append([s + offset, e + offset, v, kv])
+
+
+def _assembled(chunks, tokens_of):
+    """Per choice: the stream's tokens, spans (each chunk's offset by the tokens before it), support entries.
+    Checks on the way that every chunk's fields describe exactly its own tokens."""
+    acc = {}
+    for chunk in chunks:
+        for ch in chunk.get("choices") or ():
+            a = acc.setdefault(ch["index"], {"tokens": [], VERSIONS: [], "log_mass_kept": [], "kept_count": [],
+                                             "engines": []})
+            toks, spans, sup = tokens_of(ch), ch.get(VERSIONS), ch.get("rlpatch_support")
+            if not toks:
+                assert spans is None and sup is None, ch
+                continue
+            assert [s[0] for s in spans] == [0] + [s[1] for s in spans[:-1]] and spans[-1][1] == len(toks), ch
+            assert len(sup["log_mass_kept"]) == len(sup["kept_count"]) == len(toks), ch
+            _add_spans(a[VERSIONS], spans, len(a["tokens"]))
+            a["tokens"] += toks
+            a["log_mass_kept"] += sup["log_mass_kept"]
+            a["kept_count"] += sup["kept_count"]
+            a["engines"] += [sup["engine"]] if "engine" in sup else []
+    return acc
+
+
+@pytest.mark.parametrize("kind", sorted(REQUESTS))
+def test_a_stream_carries_the_full_responses_versions_and_support_chunk_by_chunk(server, kind, version):
+    """Seeded: the streamed answer has the tokens of the full one; each chunk carries the spans (in its own
+    token coordinates) and the support entries of its tokens, the engine key once per choice; offset and
+    concatenated they are the full response's."""
+    url, _ = server
+    path, body, tokens_of = REQUESTS[kind]
+    body = {"model": model_path(), **SAMPLING, **body, **ASK, "return_tokens_as_token_ids": True}
+    full = _post(url + path, body)
+    streamed = _assembled(_sse(url + path, body), tokens_of)
+    assert sorted(streamed) == [c["index"] for c in full["choices"]]
+    for ch in full["choices"]:
+        got, sup = streamed[ch["index"]], ch["rlpatch_support"]
+        assert got["tokens"] == tokens_of(ch) and len(got["tokens"]) == SAMPLING["max_tokens"]
+        assert got[VERSIONS] == ch[VERSIONS]
+        assert got["kept_count"] == sup["kept_count"] and all(1 <= k <= 20 for k in sup["kept_count"])
+        assert got["log_mass_kept"] == pytest.approx(sup["log_mass_kept"], abs=1e-6)
+        assert all(x is not None and x <= 0 for x in sup["log_mass_kept"])
+        assert got["engines"] == [sup["engine"]] and sup["engine"] == {"vllm": version, "runner": "v1",
+                                                                         "device": "cpu"}
+
+
+def _trainer_logits(prompt_ids, outputs):
+    import torch
+
+    model = R.load(model_path())
+    with torch.no_grad():
+        rows = []
+        for p, toks in zip(prompt_ids, outputs):
+            logits = model(torch.tensor([p + toks])).logits[0].float()
+            rows.append(logits[len(p) - 1: len(p) + len(toks) - 1])
+    return torch.stack(rows)
+
+
+def test_the_openai_client_reads_support_that_processed_logprobs_takes_as_it_is(server, tmp_path):
+    """The `openai` client asks with extra_body and reads `rlpatch_support` from each choice, full and streamed;
+    processed_logprobs(engine_info=[...]) takes the full response's list as it is: 0 non-finite, and within 1e-5
+    of what it gives with the in-process engine's CompletionOutput.rlpatch_support for the same seeded requests
+    (vllm.LLM, same model and parallelism) on the same trainer logits."""
+    import torch
+    from openai import OpenAI
+
+    from vllm_rlpatch.trainer import processed_logprobs
+
+    url, _ = server
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    extra = {"top_k": SAMPLING["top_k"], "ignore_eos": True, "return_tokens_as_token_ids": True, **ASK}
+    kw = dict(model=model_path(), prompt=PROMPTS, max_tokens=SAMPLING["max_tokens"], logprobs=0,
+              temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"], seed=SAMPLING["seed"], extra_body=extra)
+    resp = client.completions.create(**kw)
+    choices = sorted(resp.choices, key=lambda c: c.index)
+    tokens = [[int(t.split(":")[1]) for t in c.logprobs.tokens] for c in choices]
+    info = [c.model_extra["rlpatch_support"] for c in choices]
+    assert all(c.model_extra[VERSIONS][0][2] == 0 for c in choices)  # the weights the server started with
+    streamed: dict[int, list] = {}
+    chunks = list(client.completions.create(**kw, stream=True))
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend((c.model_extra.get("rlpatch_support") or {}).get("kept_count", []))
+    assert [streamed[c.index] for c in choices] == [i["kept_count"] for i in info], [
+        (c.index, c.logprobs and c.logprobs.tokens, c.model_extra) for ch in chunks for c in ch.choices]
+
+    spec = tmp_path / "inprocess.json"
+    sampling = {**SAMPLING, "logprobs": 0, "extra_args": {"rlpatch_support": True}}
+    spec.write_text(json.dumps({"engine": {"model": model_path(), "tensor_parallel_size": 2, "max_model_len": 256},
+                                "requests": [{"prompt": p, "sampling": sampling} for p in PROMPTS]}))
+    ref, _ = run_script("support_engine.py", str(spec), VLLM_CPU_OMP_THREADS_BIND="0|1")
+    ref_out = [r["outputs"][0] for r in ref["requests"]]
+    assert [o["token_ids"] for o in ref_out] == tokens  # the same seeded requests sampled the same tokens
+    prompts = [r["prompt_token_ids"] for r in ref["requests"]]
+    logits = _trainer_logits(prompts, tokens)
+    sp = {k: SAMPLING[k] for k in ("temperature", "top_p", "top_k")}
+    lp = processed_logprobs(logits, torch.tensor(tokens), sp, prompt_token_ids=prompts, engine_info=info)
+    lp_ref = processed_logprobs(logits, torch.tensor(tokens), sp, prompt_token_ids=prompts,
+                                engine_info=[o["support"] for o in ref_out])
+    assert int((~torch.isfinite(lp)).sum()) == 0
+    assert float((lp.double() - lp_ref.double()).abs().max()) <= 1e-5
 
 
 # ------------------------------------------------------------------------------------------ refit over HTTP

@@ -24,7 +24,9 @@ How:   ``SamplingParams(extra_args={"rlpatch_support": True})`` asks for it per 
        (:func:`vllm_rlpatch.hooks.engine_core.add_channel`) and set on the ``CompletionOutput`` as
        ``rlpatch_support``: a :class:`SamplingSupport` with one entry per output token and the engine's
        ``{"vllm", "runner", "device"}`` (the rules :func:`vllm_rlpatch.trainer.processed_logprobs` follows).
-       A plain ``vllm.LLM.generate`` caller reads it from its outputs; no RPC. Then
+       A plain ``vllm.LLM.generate`` caller reads it from its outputs; no RPC. ``vllm serve`` clients ask with
+       ``"vllm_xargs": {"rlpatch_support": true}`` (vLLM copies it into ``extra_args``) and read it from each
+       choice, full or streamed (the ``refit_http`` patch). Then
        ``lp_processed(token) = lp_T(token) - log_mass_kept`` for any trainer's lp_T (the trainer twin does it).
        Greedy rows: in an all-greedy batch vLLM skips temperature and truncation (processed logprobs are the
        full softmax), reported as log_mass_kept 0; in a mixed batch greedy rows are processed at T=1, as vLLM
@@ -439,7 +441,7 @@ def revert() -> None:
 SPEC = PatchSpec(
     name=NAME,
     summary="Per-token kept-set mass and size from the sampler, opt-in per request "
-            "(extra_args={'rlpatch_support': True}): CompletionOutput.rlpatch_support",
+            "(extra_args={'rlpatch_support': True}; vllm_xargs over vllm serve): CompletionOutput.rlpatch_support",
     vllm=">=0.20,<0.34",  # vLLM 0.34 removed the V1 runner (MRv2 is not hooked)
     targets=(),
     lazy_targets=(T_SAMPLE_TOKENS, T_ASYNC_OUTPUT, T_SAMPLE, T_TEMPERATURE, T_MRV2_ADD, *engine_core.TARGETS),
