@@ -15,7 +15,7 @@ Layout: :mod:`.api` (the sender: ``push_weights``), :mod:`.session`, :mod:`.targ
 :mod:`.backup`, :mod:`.plan` (the copy plan) and :mod:`.checks` (the fused checksum + finite check).
 """
 
-from vllm_rlpatch.refit.api import RefitReport
+from vllm_rlpatch.refit.report import RefitReport
 from vllm_rlpatch.refit.fleet import FleetReport, push_weights, push_weights_async, weight_version
 from vllm_rlpatch.refit.cuda_ipc import EngineLayout
 from vllm_rlpatch.refit.protocol import GUARANTEES, RefitError, fingerprint, fingerprints

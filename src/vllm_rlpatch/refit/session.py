@@ -34,7 +34,9 @@ import torch
 from vllm_rlpatch.hooks import mixed
 from vllm_rlpatch.refit import coordinator as C
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.api import Options, Outgoing, RefitReport, build_report, schema_for
+from vllm_rlpatch.refit.options import Options
+from vllm_rlpatch.refit.outgoing import Outgoing, schema_for
+from vllm_rlpatch.refit.report import RefitReport, build_report
 from vllm_rlpatch.refit.coordinator import rpc_error_to_refit
 from vllm_rlpatch.refit.resolve import resolve
 from vllm_rlpatch.refit.target import AsyncTarget, LocalTarget
