@@ -40,7 +40,8 @@ from vllm_rlpatch import envs
 from vllm_rlpatch.hooks import engine_core
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.coordinator import PHASES, coordinate_on_async, coordinate_phase, rpc_error_to_refit, run_async
-from vllm_rlpatch.refit.target import Target, is_loopback
+from vllm_rlpatch.refit import transports
+from vllm_rlpatch.refit.target import EngineUnreachable, Target, is_loopback
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -132,13 +133,10 @@ def install_routes(app: Any) -> None:
     def _bad_request(request: Request, req: Any) -> JSONResponse | None:
         if not isinstance(req, dict):
             return JSONResponse({"error": "the refit request is not a JSON object"}, status_code=400)
-        kind = (req.get("transport") or {}).get("kind")
-        if kind not in ("shm", "dist"):
-            return JSONResponse({"error": f"transport {kind!r} is not accepted over HTTP (shm from this host, or "
-                                          "dist)"}, status_code=400)
-        if kind == "shm" and not is_loopback(request.client.host if request.client else None):
-            return JSONResponse({"error": "the shm transport needs the trainer on the server's host"},
-                                status_code=400)
+        why = transports.http_refusal(req.get("transport") or {},
+                                      is_loopback(request.client.host if request.client else None))
+        if why is not None:
+            return JSONResponse({"error": why}, status_code=400)
         for key in ("txid", "tensors"):
             if key not in req:
                 return JSONResponse({"error": f"the refit request has no {key!r}"}, status_code=400)
@@ -289,12 +287,12 @@ class HttpTarget(Target):
             raise P.RefitError(f"{method} {PREFIX}{path}: HTTP {e.code}: {detail}", kind=kind) from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, TimeoutError):
-                raise P.RefitError(f"{self.url}: no answer within {timeout:.1f} s", kind="transport") from None
-            raise P.RefitError(f"{self.url} is unreachable: {e.reason}", kind="transport") from None
+                raise EngineUnreachable(f"{self.url}: no answer within {timeout:.1f} s") from None
+            raise EngineUnreachable(f"{self.url} is unreachable: {e.reason}") from None
         except TimeoutError:  # (socket.timeout) connected, but the answer did not come in time
-            raise P.RefitError(f"{self.url}: no answer within {timeout:.1f} s", kind="transport") from None
+            raise EngineUnreachable(f"{self.url}: no answer within {timeout:.1f} s") from None
         except (ConnectionError, OSError) as e:  # the server went away mid-answer
-            raise P.RefitError(f"{self.url} is unreachable: {type(e).__name__}: {e}", kind="transport") from None
+            raise EngineUnreachable(f"{self.url} is unreachable: {type(e).__name__}: {e}") from None
 
     def phase(self, phase: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """One phase of a fleet update as one call to the server (``/rlpatch/v1/refit/<phase>``), run by its

@@ -5,15 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.transports import AUTO, CHOICES
 
 MODES = ("atomic", "direct")
 INFLIGHT = ("refuse", "abort", "keep", "recompute")
-TRANSPORTS = ("auto", "shm", "dist", "cuda_ipc")
+TRANSPORTS = CHOICES
 
 
 @dataclasses.dataclass
 class Options:
-    transport: str = "auto"
+    transport: str = AUTO
     mode: str = "atomic"
     guarantee: str = "auto"
     inflight: str | None = None
