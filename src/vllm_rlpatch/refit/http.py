@@ -39,8 +39,8 @@ from typing import Any
 from vllm_rlpatch import envs
 from vllm_rlpatch.hooks import engine_core
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.coordinator import PHASES, coordinate_on_async, coordinate_phase, rpc_error_to_refit, run_async
 from vllm_rlpatch.refit import transports
+from vllm_rlpatch.refit.coordinator import PHASES, coordinate_on_async, coordinate_phase, rpc_error_to_refit, run_async
 from vllm_rlpatch.refit.target import EngineUnreachable, Target, is_loopback
 
 logger = logging.getLogger("vllm.rlpatch")
