@@ -291,10 +291,9 @@ def _end() -> None:
     except ImportError:
         pass
     try:
-        from vllm_rlpatch.refit import api
+        from vllm_rlpatch.refit.caches import CACHE
 
-        for pool in list(api._POOLS.values()):
-            pool.close()
+        CACHE.close_pools()
     except Exception:  # noqa: BLE001
         pass
 

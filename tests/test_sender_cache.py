@@ -1,5 +1,5 @@
 """The trainer side of a ``cuda_ipc`` update reuses what it found about the very same tensor objects last time
-(vllm_rlpatch.refit.api._Sent: checked metadata, IPC handles, the template's hash) and nothing else: another
+(vllm_rlpatch.refit.caches.Sent: checked metadata, IPC handles, the template's hash) and nothing else: another
 object, a new address, shape or stride, another schema or other options make it check and hash again, and the
 cache never keeps a tensor alive. No GPU here: the handles are stood in for by their tensors' addresses (the
 real ones need CUDA; benchmarks/gpu/refit_full_gpu.py runs them on the H200)."""
@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from vllm_rlpatch.refit import api
+from vllm_rlpatch.refit import api, caches, ipc_sender
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.target import Target
 
@@ -38,11 +38,12 @@ def calls(monkeypatch):
         seen["validate"] += 1
         return validate(*a, **k)
 
-    monkeypatch.setattr(api, "ipc_handles", handles)
-    monkeypatch.setattr(api.P, "validate_metadata", counting_validate)
+    monkeypatch.setattr(ipc_sender, "ipc_handles", handles)
+    monkeypatch.setattr(P, "validate_metadata", counting_validate)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(api, "_SENT", {})
-    return seen
+    caches.CACHE.clear()
+    yield seen
+    caches.CACHE.clear()
 
 
 def send(tgt, tensors, schema=SCHEMA, verify=False, **kw):

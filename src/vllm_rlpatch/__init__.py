@@ -7,7 +7,10 @@ it is imported by the ``.pth`` start-up hook in every interpreter of the environ
 
 from __future__ import annotations
 
+import warnings  # (loaded by the interpreter itself: costs the start-up hook nothing)
+
 __version__ = "0.1.0"
+__all__ = ["__version__", "on_weight_update", "status", "updates_seen", "weight_version"]
 
 
 def status() -> "list[dict]":
@@ -18,11 +21,21 @@ def status() -> "list[dict]":
     return [s.as_dict() for s in registry.status()]
 
 
-def weight_version(engine) -> int:
-    """Completed weight updates seen for ``engine`` (a ``vllm.LLM``, ``LLMEngine`` or ``AsyncLLM``)."""
+def updates_seen(engine) -> int:
+    """Completed weight updates this process saw for ``engine`` (a ``vllm.LLM``, ``LLMEngine`` or ``AsyncLLM``),
+    counted by its front end. The engine's own weight version, read from its workers (also of a Ray actor or a
+    server), is :func:`vllm_rlpatch.refit.weight_version`."""
     from vllm_rlpatch.hooks import weights
 
     return weights.weight_version(engine)
+
+
+def weight_version(engine) -> int:
+    """Deprecated: :func:`updates_seen` (the name meant another thing than ``vllm_rlpatch.refit.weight_version``)."""
+    warnings.warn("vllm_rlpatch.weight_version is deprecated: use vllm_rlpatch.updates_seen (the updates this "
+                  "process saw), or vllm_rlpatch.refit.weight_version (the engine's version, read from its workers)",
+                  DeprecationWarning, stacklevel=2)
+    return updates_seen(engine)
 
 
 def on_weight_update(callback):

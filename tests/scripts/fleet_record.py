@@ -77,8 +77,7 @@ def run(main, shutdown=None):
                 c.kill()
             except psutil.Error:
                 pass
-        from vllm_rlpatch.refit import api
+        from vllm_rlpatch.refit.caches import CACHE
 
-        for pool in list(api._POOLS.values()):
-            pool.close()
+        CACHE.close_pools()
         os._exit(rc)

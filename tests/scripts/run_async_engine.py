@@ -29,7 +29,7 @@ async def main(model):
 
         res = {"logprobs_mode": str(engine.vllm_config.model_config.logprobs_mode),
                "positions": len(steps), "neg_inf": neg_inf,
-               "frontend_weight_version": vllm_rlpatch.weight_version(engine),
+               "frontend_weight_version": vllm_rlpatch.updates_seen(engine),
                "worker_weight_version": await engine.collective_rpc("rlpatch_weight_version")}
     finally:
         engine.shutdown()

@@ -66,7 +66,7 @@ def main():
         try:
             import vllm_rlpatch
 
-            res["frontend_weight_version"] = vllm_rlpatch.weight_version(llm)
+            res["frontend_weight_version"] = vllm_rlpatch.updates_seen(llm)
         except ImportError:
             res["frontend_weight_version"] = None
         for method in spec.get("rpc_after_reload", []):

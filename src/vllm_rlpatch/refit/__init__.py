@@ -9,14 +9,17 @@
     weight_version(llm)                                          # the engine's current weight version
     push_weights([llm_a, llm_b], tensors)                        # a fleet: every engine or none (.fleet)
 
-Layout: :mod:`.api` (the sender: ``push_weights``), :mod:`.session`, :mod:`.target` (what can be updated),
-:mod:`.coordinator` (the worker RPCs in order), one module per transport with its sender and its source
-(:mod:`.shm`, :mod:`.dist`, :mod:`.cuda_ipc`), and on the engine side :mod:`.transaction` (guarantee levels),
+Layout: :mod:`.api` (the entry points), :mod:`.push` (one update's steps), :mod:`.outgoing` (the sender of one
+update), :mod:`.caches` (what it keeps per engine), :mod:`.report`, :mod:`.session`, :mod:`.fleet`, :mod:`.target`
+(what can be updated), :mod:`.coordinator` (the worker RPCs in order), :mod:`.transports` (the transports by
+name), one module per transport with its sender and its source (:mod:`.shm`, :mod:`.dist`, :mod:`.cuda_ipc` with
+:mod:`.ipc_sender`), and on the engine side :mod:`.transaction` (guarantee levels),
 :mod:`.backup`, :mod:`.plan` (the copy plan) and :mod:`.checks` (the fused checksum + finite check).
 """
 
-from vllm_rlpatch.refit.api import RefitReport
-from vllm_rlpatch.refit.fleet import FleetReport, push_weights, push_weights_async, weight_version
+from vllm_rlpatch.refit.report import RefitReport
+from vllm_rlpatch.refit.api import push_weights, push_weights_async, weight_version
+from vllm_rlpatch.refit.fleet import FleetReport
 from vllm_rlpatch.refit.cuda_ipc import EngineLayout
 from vllm_rlpatch.refit.protocol import GUARANTEES, RefitError, fingerprint, fingerprints
 from vllm_rlpatch.refit.session import RefitSession, refit_session

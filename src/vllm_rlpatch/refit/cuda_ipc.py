@@ -1,9 +1,9 @@
 """The ``cuda_ipc`` transport: same GPU, other process; the engine reads the trainer's own tensors.
 
-Sender (trainer side): :func:`ipc_handles` (one handle per tensor, reused while the tensor object lives and
-points at the same memory) after the tensors are digested with the fused kernel. The trainer and the worker
-read the *same* memory, so it is hashed once, here: the worker does not hash the sources again; after it
-writes, it digests the destination windows and compares them with these digests.
+Sender (trainer side, :mod:`.ipc_sender`): one IPC handle per tensor (:func:`ipc_handles`, reused while the
+tensor object lives and points at the same memory), the tensors digested with the fused kernel. The trainer and
+the worker read the *same* memory, so it is hashed once, there: the worker does not hash the sources again;
+after it writes, it digests the destination windows and compares them with these digests.
 
 Zero-pack variant: :class:`EngineLayout`, one trainer buffer laid out like the engine's parameters (one
 handle, one copy); :class:`LayoutSource` opens it in the worker.
@@ -12,42 +12,14 @@ handle, one copy); :class:`LayoutSource` opens it in the worker.
 from __future__ import annotations
 
 import pickle
-import weakref
 from typing import Any, Iterable
 
 import torch
 
 from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.ipc_sender import ipc_handles
 from vllm_rlpatch.refit.resolve import resolve
 from vllm_rlpatch.refit.source import Source
-
-_HANDLES: dict[int, tuple[Any, tuple, bytes]] = {}  # id(tensor) -> (weakref, (data_ptr, shape, stride, dtype), handle)
-
-
-def ipc_handles(tensors: list[tuple[str, torch.Tensor]]) -> list[bytes]:
-    """CUDA IPC handles of the trainer's tensors (no copy). Pickled: they travel to the engine's workers on
-    this host inside vLLM's RPC (whose msgpack carries bytes), never over a network."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    out = []
-    for name, t in tensors:
-        if not t.is_cuda:
-            raise P.RefitError(f"cuda_ipc transport: {name} is on {t.device}, not a CUDA device", kind="validation")
-        key = id(t)
-        hit = _HANDLES.get(key)
-        where = (t.data_ptr(), t.shape, t.stride(), t.dtype)  # a handle records the view's shape and strides too
-        if hit is not None and hit[0]() is t and hit[1] == where:
-            out.append(hit[2])
-            continue
-        h = pickle.dumps(reduce_tensor(t.detach()))
-        try:
-            ref = weakref.ref(t, lambda _r, k=key: _HANDLES.pop(k, None))
-            _HANDLES[key] = (ref, where, h)
-        except TypeError:
-            pass
-        out.append(h)
-    return out
-
 
 def ipc_unpickle(handle: bytes):
     return pickle.loads(handle)

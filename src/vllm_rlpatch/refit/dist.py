@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import threading
 import time
 import uuid
@@ -35,7 +36,11 @@ import torch
 
 from vllm_rlpatch.refit import checks
 from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.sender import Sender, SendJob
 from vllm_rlpatch.refit.source import Source
+from vllm_rlpatch.refit.target import is_loopback
+
+logger = logging.getLogger("vllm.rlpatch")
 
 
 def joined_key(txid: str, rank: int) -> str:
@@ -86,10 +91,16 @@ def broadcast_opts(root: int = 0):
     return opts
 
 
-class DistSender:
+class DistSender(Sender):
     """Rank 0 of a per-update process group; broadcasts the buckets in order from a background thread."""
 
     kind = "dist"
+    streams_bytes = True
+    packs_segments = True
+    needs_receivers = True
+    same_host_only = False
+    offered_over_http = True
+    in_sessions = False
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], metas: list[P.TensorMeta], bucket_bytes: int, *,
                  n_workers: int, host: str, port: int = 0, backend: str = "gloo", timeout_s: float = 120.0,
@@ -121,6 +132,17 @@ class DistSender:
         self.seconds_group = 0.0  # forming the group: waiting for every receiver to join
         self._thread: threading.Thread | None = None
         self.on_bucket = None  # test hook: called with the bucket index before it is sent
+
+    @classmethod
+    def build(cls, job: SendJob) -> "DistSender":
+        if not job.fleet and not job.target.same_host() and (not job.dist_host or is_loopback(job.dist_host)):
+            raise P.RefitError(f"the engine is on another host: a dist group hosted at {job.dist_host or '127.0.0.1'} "
+                               "(loopback) is out of its reach: pass dist_host= an address of this host that "
+                               "the engine can reach", kind="validation")
+        backend = job.dist_backend or ("nccl" if any(t.is_cuda for _, t in job.tensors) else "gloo")
+        return cls(job.tensors, job.metas, job.bucket_bytes, n_workers=job.n_workers or 1,
+                   host=job.dist_host or "127.0.0.1", port=job.dist_port, backend=backend, timeout_s=job.timeout_s,
+                   verify=job.verify)
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "dist", "host": self.host, "port": self.port, "world_size": self.world,
@@ -163,13 +185,26 @@ class DistSender:
             self.error = e
         self.seconds_send = time.perf_counter() - (t0 + self.seconds_group)
 
-    def start(self) -> None:
+    @property
+    def stages(self) -> dict[str, float]:
+        return {"fingerprint": self.seconds_fingerprint}
+
+    @property
+    def segments(self) -> int:
+        return len(self.sizes)
+
+    def send(self) -> None:
         self._thread = threading.Thread(target=self._run, name="rlpatch-dist-send", daemon=True)
         self._thread.start()
 
-    def join(self, timeout: float | None = None) -> None:
+    def finish(self, timeout: float) -> dict[str, float]:
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.running:
+            return {}  # still waiting in the group (a receiver never joined): it ends on the group's timeout
+        if self.error is not None:
+            logger.warning("vllm-rlpatch: dist sender reported %r", self.error)
+        return {"group": self.seconds_group, "send": self.seconds_send}
 
     def missing_ranks(self) -> list[int]:
         """The receivers' ranks that never joined this update's group (each marks itself before it joins)."""

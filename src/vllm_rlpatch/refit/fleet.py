@@ -1,15 +1,15 @@
 """One update, every engine: ``push_weights([llm_a, llm_b, ...], tensors)`` as a two-phase transaction over a
 fleet of rollout engines, all-or-nothing.
 
-The public ``push_weights`` / ``push_weights_async`` / ``weight_version`` of :mod:`vllm_rlpatch.refit` are the
-ones here: a single target goes straight to :mod:`.api`; a list (or tuple) of targets is a fleet.
+The public ``push_weights`` / ``push_weights_async`` / ``weight_version`` (:mod:`.api`) come here with a list (or
+tuple) of targets: :func:`push_fleet`, :func:`fleet_versions`.
 
 A fleet update:
 
 1. **Versions.** Every engine's weight version is read (after step 2's trainer-side work: an RPC leaves every
    engine's worker spinning for a second, vLLM's shm-broadcast ``busy_loop_s``, on the cores the trainer packs
    on); the new version is ``version`` or max(current) + 1, the same on every engine.
-2. **The bytes, once.** The sender (:class:`~vllm_rlpatch.refit.api.Outgoing`) checks the metadata against the
+2. **The bytes, once.** The sender (:class:`~vllm_rlpatch.refit.outgoing.Outgoing`) checks the metadata against the
    schema (every engine must have the same one), then packs and digests the tensors **once**: for ``shm`` into
    one set of shared-memory segments that every engine's workers map; for ``cuda_ipc`` one set of handles that
    every engine opens; for ``dist`` one broadcast process group spanning the trainer (rank 0) and every
@@ -61,21 +61,22 @@ Not here (yet): several trainer ranks sending shards (one sender: the caller).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import functools
+import sys
 import threading
 import time
-from typing import Any, Callable, Iterable
+import warnings
+from typing import Any, Callable
 
-import torch
-
-from vllm_rlpatch.refit import api
 from vllm_rlpatch.refit import coordinator as C
 from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit import transports
+from vllm_rlpatch.refit.caches import CACHE, schema_for
+from vllm_rlpatch.refit.options import Options
+from vllm_rlpatch.refit.outgoing import Outgoing
+from vllm_rlpatch.refit.report import build_report
 from vllm_rlpatch.refit.resolve import resolve
-from vllm_rlpatch.refit.target import Target, is_loopback
-
+from vllm_rlpatch.refit.target import EngineUnreachable, Target
 
 
 @dataclasses.dataclass
@@ -202,10 +203,9 @@ def _run_phase(engines: list[_Engine], what: str, args: Callable[[_Engine], dict
 
 
 def _is_dead(err: BaseException) -> bool:
-    """An engine that cannot answer any more: a dead engine core or Ray actor, an unreachable server."""
-    text = str(err).lower()
-    return ("dead" in text or "unreachable" in text or "no answer within" in text
-            or type(err).__name__ in ("EngineDeadError", "EOFError"))
+    """An engine that cannot answer any more: a dead engine core, or a Ray actor or server its target could not
+    reach."""
+    return isinstance(err, EngineUnreachable) or type(err).__name__ in ("EngineDeadError", "EOFError")
 
 
 def _engine_key(t: Target) -> Any:
@@ -257,7 +257,7 @@ def _versions(engines: list[_Engine], timeout_s: float) -> dict[int, int | None]
 def _schemas(engines: list[_Engine], timeout_s: float) -> list[Any]:
     """Every engine's schema (cached per engine after the first update), asked of all at once: an engine that
     cannot say (unreachable, dead, no plugin) or does not answer within ``timeout_s`` is an error naming it."""
-    calls = _parallel({e.i: (lambda e=e: api.schema_for(e.tgt)) for e in engines}, timeout_s)
+    calls = _parallel({e.i: (lambda e=e: schema_for(e.tgt)) for e in engines}, timeout_s)
     for e in engines:
         c = calls[e.i]
         if not c.done.is_set():
@@ -268,164 +268,225 @@ def _schemas(engines: list[_Engine], timeout_s: float) -> list[Any]:
     return [calls[e.i].result for e in engines]
 
 
-def _transport(engines: list[_Engine], opts: api.Options) -> str:
-    """One transport for every engine: the bytes are placed once. ``shm`` / ``cuda_ipc`` map this host's memory,
-    so every engine must be on this host; with an engine on another host the fleet is one ``dist`` group (``auto``
-    takes it) hosted at ``dist_host``, an address of this host every engine can reach (not loopback). No
-    ``cuda_ipc`` over HTTP (``auto`` then takes ``shm``)."""
-    tr = opts.transport
-    remote = [e for e in engines if not e.tgt.same_host()]
-    if remote:
-        e = remote[0]
-        if tr not in ("dist", "auto"):
-            raise P.RefitError(f"{e.name} is on another host: transport={tr!r} maps this host's memory; a fleet "
-                               "with engines on other hosts is one broadcast group: transport='dist' (or 'auto') "
-                               "with dist_host= an address of this host they can reach", kind="validation")
-        if not opts.dist_host or is_loopback(opts.dist_host):
-            raise P.RefitError(f"{e.name} is on another host: the fleet's broadcast group would be hosted at "
-                               f"{opts.dist_host or '127.0.0.1'} (loopback), out of its reach: pass dist_host= an "
-                               "address of this host that every engine can reach", kind="validation")
-        return "dist"
-    http = next((e for e in engines if e.tgt.kind == "http"), None)
-    if http is not None:
-        if tr == "cuda_ipc":
-            raise P.RefitError(f"{http.name}: transport='cuda_ipc' is not offered over HTTP (IPC handles would need "
-                               "pickle): use shm (or auto) for a fleet with a URL", kind="validation")
-        return "dist" if tr == "dist" else "shm"
-    return tr
-
-
-def push_fleet(targets: list[Any], named_tensors: Any, opts: api.Options, raise_on_error: bool = True
-               ) -> FleetReport:
+def push_fleet(targets: list[Any], named_tensors: Any, opts: Options, raise_on_error: bool = True) -> FleetReport:
     t0 = time.perf_counter()
     if not targets:
         raise P.RefitError("push_weights([]): the fleet has no engine", kind="validation")
     tgts = [resolve(t) for t in targets]
     _check_targets(tgts)
     engines = [_Engine(i, t) for i, t in enumerate(tgts)]
-    stages: dict[str, float] = {}
     # schemas: every engine must expect the same tensors
     schemas = _schemas(engines, opts.timeout_s)
     schema = schemas[0]
-    workers = [getattr(s, "workers", None) for s in schemas]
     for e, s in zip(engines[1:], schemas[1:]):
         if s.tensors != schema.tensors or s.aliases != schema.aliases:
             raise P.RefitError(f"{e.name} serves another model than engine0 (its schema differs): a fleet update "
                                "needs one model", kind="validation")
-    opts = dataclasses.replace(opts, transport=_transport(engines, opts))
+    remote = next((e.name for e in engines if not e.tgt.same_host()), None)
+    url = next((e.name for e in engines if e.tgt.kind == "http"), None)
+    opts = dataclasses.replace(opts, transport=transports.for_fleet(opts.transport, remote=remote, url=url,
+                                                                    dist_host=opts.dist_host))
     key = ("fleet",) + tuple(_engine_key(e.tgt) for e in engines)
-    out_ = api.Outgoing(tgts[0], named_tensors, opts, schema, pool=api.pool_for_key(key), fleet=True)
-    txid = out_.req["txid"]
-    keep_pool = True
+    out_ = Outgoing(tgts[0], named_tensors, opts, schema, pool=CACHE.of_key(key).shm_pool(), fleet=True)
+    fleet = _Fleet(engines, out_, opts, [s.workers for s in schemas], t0, raise_on_error)
     try:
+        return fleet.run()
+    finally:
+        if out_.sender is not None and not fleet.keep_pool:
+            CACHE.drop_pool(key)  # an engine declared dead may still read them: the next update packs anew
+        out_.close()
+
+
+class _Fleet:
+    """One fleet update once its engines, schema and transport are known: the module doc's steps 1-5."""
+
+    def __init__(self, engines: list[_Engine], out_: Outgoing, opts: Options, workers: list[int | None],
+                 t0: float, raise_on_error: bool):
+        self.engines, self.out_, self.opts, self.workers = engines, out_, opts, workers
+        self.t0, self.raise_on_error = t0, raise_on_error
+        self.txid: str = out_.req["txid"]
+        self.group = out_.sender_type.needs_receivers  # one group spanning every engine's workers
+        self.bases: dict[int, int] = {}  # with a group: each engine's first worker rank
+        self.stages: dict[str, float] = {}
+        self.cur: dict[int, int | None] = {}  # each engine's version, as its prepare answer said
+        self.new_version: int | None = opts.version
+        self.keep_pool = True
+
+    def run(self) -> FleetReport:
         # the trainer's side first (pack and digest / fingerprint), before any RPC of this update: an RPC wakes
         # every engine's workers, and vLLM's shm-broadcast readers then spin for a second (busy_loop_s = 1 in
         # shm_broadcast.py) on the cores the trainer would be packing on. The engines' versions come back with
         # their prepare answers (no RPC of their own: an engine core that read a message less than a second ago
         # spins while it waits for its workers), and the new version travels with the commit.
-        if out_.transport == "dist":
-            bases = _dist_rank_bases(engines, workers)
+        self._send()
+        if self.out_.refused is not None:
+            for e in self.engines:
+                e.errors.append(f"{e.name}: not asked (the sender refused the update)")
+            return self._end("unchanged", self.out_.refused["message"], refused=self.out_.refused)
+        prep = self._prepare()
+        if not all(r.get("ok") for r in prep.values()) or any(e.dead for e in self.engines):
+            return self._abort_prepared(prep)
+        com = self._commit()
+        if all(r.get("ok") for r in com.values()) and not any(e.dead for e in self.engines):
+            return self._release()
+        return self._roll_back(com)
+
+    def _send(self) -> None:
+        if self.group:
+            self.bases = _dist_rank_bases(self.engines, self.workers)
             # the group's timeout ends before the phase's: a rank that never joins (a hung engine) turns into a
             # transport error on the others, and the hung engine is named when the phase times out
-            out_.send(n_workers=sum(workers), group_timeout_s=_dist_group_timeout(opts.timeout_s))
+            self.out_.send(n_workers=sum(self.workers), group_timeout_s=_dist_group_timeout(self.opts.timeout_s))
         else:
-            out_.send(n_workers=workers[0])
-        stages.update(out_.stages)
-        if out_.refused is not None:
-            for e in engines:
-                e.errors.append(f"{e.name}: not asked (the sender refused the update)")
-            return _end(engines, opts.version, {}, stages, t0, opts, "unchanged", out_.refused["message"],
-                        raise_on_error, txid, out_.metas, out_.refused, transport=out_.transport)
-        req = dict(out_.req)
+            self.out_.send(n_workers=self.workers[0])
+        self.stages.update(self.out_.stages)
+
+    def _prepare(self) -> dict[int, dict[str, Any]]:
+        """Phase 1: prepare everywhere (with a group: every engine's workers receive the one broadcast here)."""
+        req = dict(self.out_.req)
         req["workers"] = None  # never the one-RPC path: a fleet prepares everywhere before it writes anywhere
-        req["deadline"] = time.time() + opts.timeout_s
-        # one request per engine; with dist they differ only in the rank offset of the engine's workers
-        reqs = {e.i: _dist_request(req, bases[e.i]) if out_.transport == "dist" else req for e in engines}
-        # ---- phase 1: prepare everywhere (with dist: every engine's workers receive the one broadcast here)
+        req["deadline"] = time.time() + self.opts.timeout_s
+        # one request per engine; with a group they differ only in the rank offset of the engine's workers
+        reqs = {e.i: _dist_request(req, self.bases[e.i]) if self.group else req for e in self.engines}
         t1 = time.perf_counter()
-        prep = _run_phase(engines, "prepare", lambda e: {"req": reqs[e.i]}, opts.timeout_s)
-        stages["prepare"] = time.perf_counter() - t1
-        if out_.transport == "dist":
-            good = all(r.get("ok") for r in prep.values()) and not any(e.dead for e in engines)
-            out_.finish_send(timeout=10.0 if good else 0.0)
-            for k in ("group", "send"):
-                if k in out_.stages:
-                    stages[k] = out_.stages[k]
-        for e in engines:
+        prep = _run_phase(self.engines, "prepare", lambda e: {"req": reqs[e.i]}, self.opts.timeout_s)
+        self.stages["prepare"] = time.perf_counter() - t1
+        if self.out_.sender_type.streams_bytes:
+            good = all(r.get("ok") for r in prep.values()) and not any(e.dead for e in self.engines)
+            self.stages.update(self.out_.finish_send(timeout=10.0 if good else 0.0))
+        for e in self.engines:
             e.prep = prep.get(e.i)
-        cur = {e.i: _prepared_version(e.prep) for e in engines}
-        new_version = opts.version if opts.version is not None else max(v or 0 for v in cur.values()) + 1
-        o = dataclasses.replace(opts, version=new_version)
-        if any(e.dead for e in engines):
-            keep_pool = False
-        if not all(r.get("ok") for r in prep.values()) or any(e.dead for e in engines):
-            t1 = time.perf_counter()
-            ab = _run_phase(engines, "abort", lambda e: {"txid": txid}, opts.timeout_s)
-            stages["abort"] = time.perf_counter() - t1
-            for e in engines:
-                e.abort = ab.get(e.i)
-                # nothing was written anywhere (prepare only stages): an abort that could not say (its RPC
-                # failed, e.g. a server without the phase routes) leaves the weights as they were
-                said = (e.abort or {}).get("state")
-                e.state = "unknown" if e.dead else (said if said not in (None, "unknown") else "unchanged")
-            bad = [e for e in engines if e.errors]
-            absent = _dist_absent(out_, engines, bases) if out_.transport == "dist" else ""
-            return _end(engines, new_version, cur, stages, t0, o, _fleet_state(engines),
-                        "prepare failed on " + "; ".join(x for e in bad for x in e.errors[:1]) + absent,
-                        raise_on_error, txid, out_.metas, None, transport=out_.transport, kind=_kind(prep))
-        # ---- phase 2: commit everywhere, every engine keeping its backup until all committed
+        self.cur = {e.i: _prepared_version(e.prep) for e in self.engines}
+        if self.new_version is None:
+            self.new_version = max(v or 0 for v in self.cur.values()) + 1
+        if any(e.dead for e in self.engines):
+            self.keep_pool = False
+        return prep
+
+    def _abort_prepared(self, prep: dict[int, dict[str, Any]]) -> FleetReport:
         t1 = time.perf_counter()
-        n = {e.i: len(prep[e.i]["workers_prepare"]) for e in engines}
-        creq = {"txid": txid, "version": new_version, "inflight": req.get("inflight")}
-        com = _run_phase(engines, "commit", lambda e: {"req": creq, "n": n[e.i], "keep": True}, opts.timeout_s)
-        stages["commit"] = time.perf_counter() - t1
-        for e in engines:
+        ab = _run_phase(self.engines, "abort", lambda e: {"txid": self.txid}, self.opts.timeout_s)
+        self.stages["abort"] = time.perf_counter() - t1
+        for e in self.engines:
+            e.abort = ab.get(e.i)
+            # nothing was written anywhere (prepare only stages): an abort that could not say (its RPC
+            # failed, e.g. a server without the phase routes) leaves the weights as they were
+            said = (e.abort or {}).get("state")
+            e.state = "unknown" if e.dead else (said if said not in (None, "unknown") else "unchanged")
+        bad = [e for e in self.engines if e.errors]
+        return self._end(_fleet_state(self.engines), "prepare failed on " + "; ".join(
+            x for e in bad for x in e.errors[:1]) + self._never_joined(), kind=_kind(prep))
+
+    def _never_joined(self) -> str:
+        """After a failed prepare: the engines with a worker that never joined the broadcast group (why the
+        others' group timed out), as a message suffix."""
+        missing = set(self.out_.sender.missing_ranks()) if self.group and self.out_.sender is not None else set()
+        names = []
+        for e, n_workers in zip(self.engines, self.workers):
+            n = len([r for r in missing if self.bases[e.i] <= r < self.bases[e.i] + int(n_workers or 0)])
+            if n:
+                names.append(f"{e.name} ({n} worker{'s' if n > 1 else ''})")
+        return f"; never joined the broadcast group: {', '.join(names)}" if names else ""
+
+    def _commit(self) -> dict[int, dict[str, Any]]:
+        """Phase 2: commit everywhere, every engine keeping its backup until all committed."""
+        t1 = time.perf_counter()
+        n = {e.i: len(e.prep["workers_prepare"]) for e in self.engines}
+        creq = {"txid": self.txid, "version": self.new_version, "inflight": self.out_.req.get("inflight")}
+        com = _run_phase(self.engines, "commit", lambda e: {"req": creq, "n": n[e.i], "keep": True},
+                         self.opts.timeout_s)
+        self.stages["commit"] = time.perf_counter() - t1
+        for e in self.engines:
             e.commit = com.get(e.i)
-        if any(e.dead for e in engines):
-            keep_pool = False
-        if all(r.get("ok") for r in com.values()) and not any(e.dead for e in engines):
-            t1 = time.perf_counter()
-            # (each engine's front end takes the update in its release phase, where it lives)
-            rel = _run_phase(engines, "release", lambda e: {"txid": txid, "version": (e.commit or {}).get("version")},
-                             opts.timeout_s)
-            stages["release"] = time.perf_counter() - t1
-            for e in engines:
-                e.state = "committed"
-                if not rel.get(e.i, {}).get("ok"):
-                    e.errors.append(f"{e.name}: release after commit failed (its backup is dropped at the next "
-                                    "update)")
-            if out_.transport != "dist":
-                out_.finish_send()
-            return _end(engines, new_version, cur, stages, t0, o, "committed", "", raise_on_error, txid,
-                        out_.metas, None, transport=out_.transport)
-        # one engine failed to commit: roll back the ones that committed
+        if any(e.dead for e in self.engines):
+            self.keep_pool = False
+        return com
+
+    def _release(self) -> FleetReport:
+        t1 = time.perf_counter()
+        # (each engine's front end takes the update in its release phase, where it lives)
+        rel = _run_phase(self.engines, "release",
+                         lambda e: {"txid": self.txid, "version": (e.commit or {}).get("version")}, self.opts.timeout_s)
+        self.stages["release"] = time.perf_counter() - t1
+        for e in self.engines:
+            e.state = "committed"
+            if not rel.get(e.i, {}).get("ok"):
+                e.errors.append(f"{e.name}: release after commit failed (its backup is dropped at the next update)")
+        return self._end("committed", "")
+
+    def _roll_back(self, com: dict[int, dict[str, Any]]) -> FleetReport:
+        """One engine failed to commit: roll back the ones that committed ..."""
         t1 = time.perf_counter()
         # ... and the live ones whose commit RPC raised: what they hold is unknown, an abort undoes what they wrote
-        done = [e for e in engines if not e.dead and ((e.commit or {}).get("ok")
-                                                     or (e.commit or {}).get("state") == "unknown")]
+        done = [e for e in self.engines if not e.dead and ((e.commit or {}).get("ok")
+                                                          or (e.commit or {}).get("state") == "unknown")]
         # (an engine left mixed refuses requests: its front end was told in its commit or abort phase)
-        ab = _run_phase(done, "abort", lambda e: {"txid": txid}, opts.timeout_s) if done else {}
-        stages["abort"] = time.perf_counter() - t1
-        for e in engines:
+        ab = _run_phase(done, "abort", lambda e: {"txid": self.txid}, self.opts.timeout_s) if done else {}
+        self.stages["abort"] = time.perf_counter() - t1
+        for e in self.engines:
             if e.dead:
                 e.state = "unknown"
             elif e in done:
                 e.abort = ab.get(e.i) or {}
-                e.state = e.abort.get("state", "unknown") if not e.dead else "unknown"
-                if not (e.commit or {}).get("ok") and "nothing to abort" in str(e.abort.get("workers") or ""):
+                e.state = e.abort.get("state", "unknown")
+                if not (e.commit or {}).get("ok") and _had_nothing_to_abort(e.abort):
                     e.state = "unknown"  # its commit raised and left no transaction: what it holds is unknown
             else:
                 e.state = (e.commit or {}).get("state") or "unknown"
-        state = _fleet_state(engines)
-        _align(engines, stages, opts.timeout_s)
-        failed = [e for e in engines if not (e.commit or {}).get("ok")]
-        return _end(engines, new_version, cur, stages, t0, o, state,
-                    "commit failed on " + "; ".join(x for e in failed for x in e.errors[:1]), raise_on_error, txid,
-                    out_.metas, None, transport=out_.transport, kind=_kind(com))
-    finally:
-        if out_.sender is not None and not keep_pool:
-            api.drop_pool(key)  # an engine declared dead may still read them: the next update packs anew
-        out_.close()
+        state = _fleet_state(self.engines)
+        _align(self.engines, self.stages, self.opts.timeout_s)
+        failed = [e for e in self.engines if not (e.commit or {}).get("ok")]
+        return self._end(state, "commit failed on " + "; ".join(x for e in failed for x in e.errors[:1]),
+                         kind=_kind(com))
+
+    def _end(self, state: str, message: str, *, kind: str = "commit", refused: dict[str, Any] | None = None
+             ) -> FleetReport:
+        live = [e for e in self.engines if not e.dead]
+        said = {e.i: (e.commit or {}).get("version") for e in live}
+        if state == "committed" and all(v is not None for v in said.values()):
+            # as each engine's commit answered (no RPC after the release: it would wake every engine's workers,
+            # and vLLM's RPC readers spin for a second after a read on the cores the trainer works on)
+            final = {i: int(v) for i, v in said.items()}
+        elif state == "committed" or any(e.commit for e in self.engines):
+            final = _versions(live, self.opts.timeout_s) if live else {}  # after a write: asked now
+        else:  # nothing written: as each engine said in its prepare answer, and asked of those that did not say
+            final = dict(self.cur)
+            final.update(_versions([e for e in live if self.cur.get(e.i) is None], self.opts.timeout_s))
+        entries = [_entry(e, final.get(e.i), self.out_.transport, self.opts.mode) for e in self.engines]
+        slow = max(entries, key=lambda x: x["seconds"], default=None)
+        metas = self.out_.metas
+        rep = FleetReport(ok=state == "committed", state=state,
+                          version=self.new_version if state == "committed" else None,
+                          versions=[x["version"] for x in entries], transport=self.out_.transport,
+                          mode=self.opts.mode, bytes=sum(m.nbytes for m in metas), tensors=len(metas),
+                          seconds=time.perf_counter() - self.t0, stages=self.stages, engines=entries,
+                          slowest=slow["name"] if slow else None, slowest_seconds=slow["seconds"] if slow else 0.0,
+                          txid=self.txid, message=message, buckets=self.out_.buckets)
+        if not rep.ok and self.raise_on_error:
+            raise P.RefitError(f"fleet weight update not applied ({state}): {message}",
+                               kind=(refused or {}).get("kind", kind), state=state,
+                               problems=(refused or {}).get("problems", []), report=rep)
+        return rep
+
+
+def _entry(e: _Engine, version: int | None, transport: str, mode: str) -> dict[str, Any]:
+    """One engine's entry in the fleet's report."""
+    e.version = version
+    merged: dict[str, Any] = {}
+    for r in (e.prep, e.commit):
+        merged.update({k: v for k, v in (r or {}).items() if k.startswith("workers") or k.startswith("seconds_")})
+    if e.abort and e.abort.get("workers"):
+        merged["workers_abort"] = e.abort["workers"]
+    rep = build_report({**merged, "ok": e.state == "committed", "state": e.state, "version": e.version},
+                       transport=transport, mode=mode, nbytes=0, n=0, seconds=e.seconds, stages={}, host_extra=0)
+    return {"name": e.name, "ok": e.state == "committed", "state": e.state, "version": e.version,
+            "seconds": e.seconds, "stages": rep.stages, "errors": list(e.errors), "dead": e.dead,
+            "guarantee": rep.guarantee, "path": rep.path, "backup": rep.backup, "checks": rep.checks}
+
+
+def _had_nothing_to_abort(abort: dict[str, Any]) -> bool:
+    """A worker answered the abort with no transaction of that id (it never prepared, or its commit dropped it)."""
+    return any(isinstance(w, dict) and w.get("absent") for w in abort.get("workers") or [])
 
 
 def _prepared_version(r: dict[str, Any] | None) -> int | None:
@@ -456,23 +517,6 @@ def _dist_request(req: dict[str, Any], base: int) -> dict[str, Any]:
     """The request one engine of a ``dist`` fleet gets: the shared one with its workers' rank offset, received
     in prepare (never streamed into the weights in commit, where a refusal would leave the others waiting)."""
     return {**req, "transport": {**req["transport"], "rank_base": base, "stream": False}}
-
-
-def _dist_absent(out_: api.Outgoing, engines: list[_Engine], bases: dict[int, int]) -> str:
-    """After a failed prepare: the engines with a worker that never joined the broadcast group (why the others'
-    group timed out), as a message suffix."""
-    missing = set(getattr(out_.sender, "missing_ranks", lambda: [])())
-    names = []
-    for e in engines:
-        n = len([r for r in missing if bases[e.i] <= r < bases[e.i] + _n_workers(bases, e.i, out_)])
-        if n:
-            names.append(f"{e.name} ({n} worker{'s' if n > 1 else ''})")
-    return f"; never joined the broadcast group: {', '.join(names)}" if names else ""
-
-
-def _n_workers(bases: dict[int, int], i: int, out_: api.Outgoing) -> int:
-    later = [b for j, b in bases.items() if b > bases[i]]
-    return (min(later) if later else out_.sender.world) - bases[i]
 
 
 def _kind(results: dict[int, dict[str, Any]]) -> str:
@@ -506,85 +550,20 @@ def _align(engines: list[_Engine], stages: dict[str, float], timeout_s: float) -
     stages["align_versions"] = time.perf_counter() - t1
 
 
-def _end(engines: list[_Engine], new_version, cur, stages, t0, opts: api.Options, state: str, message: str,
-         raise_on_error: bool, txid: str, metas, refused=None, transport: str = "", kind: str = "commit"
-         ) -> FleetReport:
-    live = [e for e in engines if not e.dead]
-    cur = cur or {}
-    said = {e.i: (e.commit or {}).get("version") for e in live}
-    if state == "committed" and all(v is not None for v in said.values()):
-        # as each engine's commit answered (no RPC after the release: it would wake every engine's workers, and
-        # vLLM's RPC readers spin for a second after a read on the cores the trainer works on)
-        final = {i: int(v) for i, v in said.items()}
-    elif state == "committed" or any(e.commit for e in engines):
-        final = _versions(live, opts.timeout_s) if live else {}  # after a write: asked now
-    else:  # nothing written: as each engine said in its prepare answer, and asked of those that did not say
-        final = dict(cur)
-        final.update(_versions([e for e in live if cur.get(e.i) is None], opts.timeout_s))
-    entries = []
-    for e in engines:
-        e.version = final.get(e.i)
-        merged: dict[str, Any] = {}
-        for r in (e.prep, e.commit):
-            merged.update({k: v for k, v in (r or {}).items() if k.startswith("workers") or k.startswith("seconds_")})
-        if e.abort and e.abort.get("workers"):
-            merged["workers_abort"] = e.abort["workers"]
-        rep = api.build_report({**merged, "ok": e.state == "committed", "state": e.state, "version": e.version},
-                               transport=transport, mode=opts.mode, nbytes=0, n=0, seconds=e.seconds, stages={},
-                               host_extra=0)
-        entries.append({"name": e.name, "ok": e.state == "committed", "state": e.state, "version": e.version,
-                        "seconds": e.seconds, "stages": rep.stages, "errors": list(e.errors), "dead": e.dead,
-                        "guarantee": rep.guarantee, "path": rep.path, "backup": rep.backup, "checks": rep.checks})
-    slow = max(entries, key=lambda x: x["seconds"], default=None)
-    nbytes = sum(m.nbytes for m in metas) if metas else 0
-    rep = FleetReport(ok=state == "committed", state=state, version=new_version if state == "committed" else None,
-                      versions=[x["version"] for x in entries], transport=transport, mode=opts.mode, bytes=nbytes,
-                      tensors=len(metas or []), seconds=time.perf_counter() - t0, stages=stages, engines=entries,
-                      slowest=slow["name"] if slow else None, slowest_seconds=slow["seconds"] if slow else 0.0,
-                      txid=txid, message=message,
-                      buckets=len({m.segment for m in metas}) if metas and transport in ("shm", "dist") else 0)
-    if not rep.ok and raise_on_error:
-        raise P.RefitError(f"fleet weight update not applied ({state}): {message}",
-                           kind=(refused or {}).get("kind", kind), state=state,
-                           problems=(refused or {}).get("problems", []), report=rep)
-    return rep
+class VersionsDisagree(P.RefitError):
+    """The engines of a fleet report different weight versions; ``versions``: each one's, in the order given."""
+
+    def __init__(self, versions: list[int]):
+        super().__init__("the engines' weight versions disagree: " + ", ".join(f"engine{i}={v}"
+                                                                               for i, v in enumerate(versions)),
+                         kind="validation", state="mixed")
+        self.versions = versions
 
 
-# ------------------------------------------------------------------------------------------ the public calls
-@functools.wraps(api.push_weights)  # the same keyword arguments (inspect.signature shows them)
-def push_weights(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], **kw) -> Any:
-    if not isinstance(target, (list, tuple)):
-        return api.push_weights(target, named_tensors, **kw)
-    raise_on_error = kw.pop("raise_on_error", True)
-    try:
-        opts = api.Options(**kw)
-    except TypeError as e:
-        raise TypeError(f"push_weights: {e}") from None
-    opts.validate()
-    return push_fleet(list(target), named_tensors, opts, raise_on_error)
-
-
-push_weights.__doc__ = (api.push_weights.__doc__ or "") + """
-    ``target`` may also be a list (or tuple) of engines: a fleet, updated all-or-nothing (:mod:`vllm_rlpatch.refit.fleet`),
-    which returns a :class:`FleetReport`; ``timeout_s`` then bounds each phase and is the engines' commit deadline.
-    """
-
-
-async def push_weights_async(target: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], **kw) -> Any:
-    """:func:`push_weights` from an event loop. A fleet runs in a worker thread (an ``AsyncLLM`` of this loop
-    in it is driven on the loop, which stays free while it waits)."""
-    if not isinstance(target, (list, tuple)):
-        return await api.push_weights_async(target, named_tensors, **kw)
-    return await asyncio.to_thread(push_weights, list(target), named_tensors, **kw)
-
-
-def weight_version(target: Any) -> Any:
-    """One engine's weight version, or for a list of engines each one's (a list) - raising
-    :class:`~vllm_rlpatch.refit.protocol.RefitError` if they disagree."""
-    if not isinstance(target, (list, tuple)):
-        return api.weight_version(target)
+def fleet_versions(targets: list[Any]) -> list[int]:
+    """Each engine's weight version, raising :class:`VersionsDisagree` if they differ."""
     vs = []
-    for i, t in enumerate(target):
+    for i, t in enumerate(targets):
         e = _Engine(i, resolve(t))
         try:
             vs.append(e.tgt.version())
@@ -592,9 +571,18 @@ def weight_version(target: Any) -> Any:
             kind = err.kind if isinstance(err, P.RefitError) else "refused"
             raise P.RefitError(f"{e.name}: weight_version: {_one_line(err)}", kind=kind) from err
     if len(set(vs)) > 1:
-        err = P.RefitError("the engines' weight versions disagree: " + ", ".join(f"engine{i}={v}"
-                                                                               for i, v in enumerate(vs)),
-                           kind="validation", state="mixed")
-        err.versions = vs  # type: ignore[attr-defined]
-        raise err
+        raise VersionsDisagree(vs)
     return vs
+
+
+_MOVED = ("push_weights", "push_weights_async", "weight_version")
+
+
+def __getattr__(name: str) -> Any:
+    # The public calls are defined once, in .api (a list of targets is a fleet), which imports this module; the
+    # package, always imported before this module, holds them.
+    if name in _MOVED:
+        warnings.warn(f"vllm_rlpatch.refit.fleet.{name} is deprecated: use vllm_rlpatch.refit.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(sys.modules["vllm_rlpatch.refit"], name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

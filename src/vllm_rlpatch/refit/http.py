@@ -39,8 +39,9 @@ from typing import Any
 from vllm_rlpatch import envs
 from vllm_rlpatch.hooks import engine_core
 from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit import transports
 from vllm_rlpatch.refit.coordinator import PHASES, coordinate_on_async, coordinate_phase, rpc_error_to_refit, run_async
-from vllm_rlpatch.refit.target import Target, is_loopback
+from vllm_rlpatch.refit.target import EngineUnreachable, Target, is_loopback
 
 logger = logging.getLogger("vllm.rlpatch")
 
@@ -94,7 +95,7 @@ def install_routes(app: Any) -> None:
     allow_remote = envs.HTTP_REMOTE.get()
     router = APIRouter()
 
-    def _deny(request: Request) -> JSONResponse | None:
+    def deny(request: Request) -> JSONResponse | None:
         client = request.client.host if request.client else None
         if not allow_remote and not is_loopback(client):
             return JSONResponse({"error": f"refit routes accept loopback clients only (client {client}); set "
@@ -107,52 +108,63 @@ def install_routes(app: Any) -> None:
                                 status_code=401)
         return None
 
-    def _engine(request: Request):
-        return request.app.state.engine_client
+    _read_routes(router, deny, Request)
+    _refit_route(router, deny, Request, JSONResponse)
+    _phase_routes(router, deny, Request, JSONResponse)
+    app.include_router(router)
+    app.state.rlpatch_routes = True
+    logger.info("vllm-rlpatch: refit routes at %s/* (%s clients; bearer token from %s)", PREFIX,
+                "any" if allow_remote else "loopback", where)
 
+
+def _engine(request):
+    return request.app.state.engine_client
+
+
+def _read_routes(router, deny, Request) -> None:
     @router.get(PREFIX + "/weight_version")
     async def weight_version(request: Request):
-        if (d := _deny(request)) is not None:
+        if (d := deny(request)) is not None:
             return d
         vs = await _engine(request).collective_rpc("rlpatch_weight_version")
         return {"version": max(int(v) for v in vs), "workers": [int(v) for v in vs]}
 
     @router.get(PREFIX + "/describe")
     async def describe(request: Request):
-        if (d := _deny(request)) is not None:
+        if (d := deny(request)) is not None:
             return d
         return {"workers": await _engine(request).collective_rpc("rlpatch_refit_describe")}
 
     @router.get(PREFIX + "/fingerprint")
     async def fingerprint(request: Request):
-        if (d := _deny(request)) is not None:
+        if (d := deny(request)) is not None:
             return d
         return {"workers": await _engine(request).collective_rpc("rlpatch_fingerprint")}
 
-    def _bad_request(request: Request, req: Any) -> JSONResponse | None:
-        if not isinstance(req, dict):
-            return JSONResponse({"error": "the refit request is not a JSON object"}, status_code=400)
-        kind = (req.get("transport") or {}).get("kind")
-        if kind not in ("shm", "dist"):
-            return JSONResponse({"error": f"transport {kind!r} is not accepted over HTTP (shm from this host, or "
-                                          "dist)"}, status_code=400)
-        if kind == "shm" and not is_loopback(request.client.host if request.client else None):
-            return JSONResponse({"error": "the shm transport needs the trainer on the server's host"},
-                                status_code=400)
-        for key in ("txid", "tensors"):
-            if key not in req:
-                return JSONResponse({"error": f"the refit request has no {key!r}"}, status_code=400)
-        return None
 
+def _bad_request(request, req: Any, JSONResponse):
+    if not isinstance(req, dict):
+        return JSONResponse({"error": "the refit request is not a JSON object"}, status_code=400)
+    why = transports.http_refusal(req.get("transport") or {},
+                                  is_loopback(request.client.host if request.client else None))
+    if why is not None:
+        return JSONResponse({"error": why}, status_code=400)
+    for key in ("txid", "tensors"):
+        if key not in req:
+            return JSONResponse({"error": f"the refit request has no {key!r}"}, status_code=400)
+    return None
+
+
+def _refit_route(router, deny, Request, JSONResponse) -> None:
     @router.post(PREFIX + "/refit")
     async def refit(request: Request):
-        if (d := _deny(request)) is not None:
+        if (d := deny(request)) is not None:
             return d
         try:
             req = await request.json()
         except Exception:
             return JSONResponse({"error": "the body is not JSON"}, status_code=400)
-        if (d := _bad_request(request, req)) is not None:
+        if (d := _bad_request(request, req, JSONResponse)) is not None:
             return d
         engine = _engine(request)
         out = await coordinate_on_async(engine, req, lambda g: run_async(g, _rpc(engine)))
@@ -163,32 +175,38 @@ def install_routes(app: Any) -> None:
                            out.get("message"))
         return out
 
-    # the phases of a fleet update (vllm_rlpatch.refit.fleet), one call each
-    need = {"prepare": {"req": dict}, "commit": {"req": dict, "n": int}, "release": {"txid": str},
-            "abort": {"txid": str}, "align_version": {"version": int}}
 
-    async def _run_phase(request: Request, phase: str, args: dict[str, Any]):
-        engine = _engine(request)
-        try:
-            out = await run_async(coordinate_phase(engine, phase, args), _rpc(engine))
-        except Exception as e:  # noqa: BLE001 - an RPC raised (dead worker, ...): the client's error, one line
-            err = e if isinstance(e, P.RefitError) else rpc_error_to_refit(e, f"refit {phase}")
-            return JSONResponse({"error": (str(err).splitlines() or [""])[0], "kind": err.kind}, status_code=500)
-        if phase in ("prepare", "commit", "abort") and not out.get("ok"):
-            logger.warning("vllm-rlpatch: fleet update %s: %s from %s failed (weights %s): %s",
-                           (args.get("req") or args).get("txid"), phase,
-                           request.client.host if request.client else "?", out.get("state"), out.get("message"))
-        return out
+# the phases of a fleet update (vllm_rlpatch.refit.fleet), one call each, and what each one's body holds
+_PHASE_BODIES = {"prepare": {"req": dict}, "commit": {"req": dict, "n": int}, "release": {"txid": str},
+                 "abort": {"txid": str}, "align_version": {"version": int}}
+
+
+async def _run_phase(request, phase: str, args: dict[str, Any], JSONResponse):
+    engine = _engine(request)
+    try:
+        out = await run_async(coordinate_phase(engine, phase, args), _rpc(engine))
+    except Exception as e:  # noqa: BLE001 - an RPC raised (dead worker, ...): the client's error, one line
+        err = e if isinstance(e, P.RefitError) else rpc_error_to_refit(e, f"refit {phase}")
+        return JSONResponse({"error": (str(err).splitlines() or [""])[0], "kind": err.kind}, status_code=500)
+    if phase in ("prepare", "commit", "abort") and not out.get("ok"):
+        logger.warning("vllm-rlpatch: fleet update %s: %s from %s failed (weights %s): %s",
+                       (args.get("req") or args).get("txid"), phase,
+                       request.client.host if request.client else "?", out.get("state"), out.get("message"))
+    return out
+
+
+def _phase_routes(router, deny, Request, JSONResponse) -> None:
+    need = _PHASE_BODIES
 
     @router.get(PREFIX + "/refit/weight_state")
     async def refit_weight_state(request: Request):
-        if (d := _deny(request)) is not None:
+        if (d := deny(request)) is not None:
             return d
-        return await _run_phase(request, "weight_state", {})
+        return await _run_phase(request, "weight_state", {}, JSONResponse)
 
     @router.post(PREFIX + "/refit/{phase}")
     async def refit_phase(phase: str, request: Request):
-        if (d := _deny(request)) is not None:
+        if (d := deny(request)) is not None:
             return d
         if phase not in need:
             return JSONResponse({"error": f"no refit phase {phase!r}: POST one of {', '.join(need)} (GET "
@@ -203,16 +221,11 @@ def install_routes(app: Any) -> None:
             if not isinstance(args.get(key), typ) or isinstance(args.get(key), bool):
                 return JSONResponse({"error": f"refit/{phase}: the body needs {key!r} ({typ.__name__})"},
                                     status_code=400)
-        if phase == "prepare" and (d := _bad_request(request, args["req"])) is not None:
+        if phase == "prepare" and (d := _bad_request(request, args["req"], JSONResponse)) is not None:
             return d
         if phase == "commit" and not isinstance(args["req"].get("txid"), str):
             return JSONResponse({"error": "refit/commit: the request has no 'txid'"}, status_code=400)
-        return await _run_phase(request, phase, args)
-
-    app.include_router(router)
-    app.state.rlpatch_routes = True
-    logger.info("vllm-rlpatch: refit routes at %s/* (%s clients; bearer token from %s)", PREFIX,
-                "any" if allow_remote else "loopback", where)
+        return await _run_phase(request, phase, args, JSONResponse)
 
 
 def _rpc(engine):
@@ -289,12 +302,12 @@ class HttpTarget(Target):
             raise P.RefitError(f"{method} {PREFIX}{path}: HTTP {e.code}: {detail}", kind=kind) from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, TimeoutError):
-                raise P.RefitError(f"{self.url}: no answer within {timeout:.1f} s", kind="transport") from None
-            raise P.RefitError(f"{self.url} is unreachable: {e.reason}", kind="transport") from None
+                raise EngineUnreachable(f"{self.url}: no answer within {timeout:.1f} s") from None
+            raise EngineUnreachable(f"{self.url} is unreachable: {e.reason}") from None
         except TimeoutError:  # (socket.timeout) connected, but the answer did not come in time
-            raise P.RefitError(f"{self.url}: no answer within {timeout:.1f} s", kind="transport") from None
+            raise EngineUnreachable(f"{self.url}: no answer within {timeout:.1f} s") from None
         except (ConnectionError, OSError) as e:  # the server went away mid-answer
-            raise P.RefitError(f"{self.url} is unreachable: {type(e).__name__}: {e}", kind="transport") from None
+            raise EngineUnreachable(f"{self.url} is unreachable: {type(e).__name__}: {e}") from None
 
     def phase(self, phase: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """One phase of a fleet update as one call to the server (``/rlpatch/v1/refit/<phase>``), run by its

@@ -157,6 +157,7 @@ class Schema:
     source: str
     engine_dtype: str
     optional: list[str] = dataclasses.field(default_factory=list)  # in the checkpoint, never needed in an update
+    workers: int | None = None  # the engine's worker count, set where the workers' descriptions were read
 
     def as_dict(self) -> dict[str, Any]:
         return {"tensors": {k: [list(s), d] for k, (s, d) in self.tensors.items()}, "aliases": dict(self.aliases),

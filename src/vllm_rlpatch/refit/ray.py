@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.target import Target, is_engine, local_target
+from vllm_rlpatch.refit.target import EngineUnreachable, Target, is_engine, local_target
 
 
 def _find_engine(actor: Any, attr: str | None) -> Any:
@@ -112,10 +112,10 @@ class RayTarget(Target):
                 line = next((ln for ln in str(e).splitlines() if "RefitError" in ln), text)
                 raise P.RefitError(line.split("RefitError: ", 1)[-1], kind="refused") from e
             if type(e).__name__ == "GetTimeoutError":
-                raise P.RefitError(f"{self.label}: no answer within {timeout_s:.1f} s", kind="transport") from e
+                raise EngineUnreachable(f"{self.label}: no answer within {timeout_s:.1f} s") from e
             if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
                 first = (text.splitlines() or [text])[0]
-                raise P.RefitError(f"{self.label} is dead or unreachable: {first}", kind="transport") from e
+                raise EngineUnreachable(f"{self.label} is dead or unreachable: {first}") from e
             raise P.RefitError(f"Ray actor call failed: {text.splitlines()[0]}", kind="commit") from e
 
     def describe(self) -> list[dict[str, Any]]:

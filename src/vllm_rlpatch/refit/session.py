@@ -34,7 +34,11 @@ import torch
 from vllm_rlpatch.hooks import mixed
 from vllm_rlpatch.refit import coordinator as C
 from vllm_rlpatch.refit import protocol as P
-from vllm_rlpatch.refit.api import Options, Outgoing, RefitReport, build_report, schema_for
+from vllm_rlpatch.refit import transports
+from vllm_rlpatch.refit.caches import schema_for
+from vllm_rlpatch.refit.options import Options
+from vllm_rlpatch.refit.outgoing import Outgoing
+from vllm_rlpatch.refit.report import RefitReport, build_report
 from vllm_rlpatch.refit.coordinator import rpc_error_to_refit
 from vllm_rlpatch.refit.resolve import resolve
 from vllm_rlpatch.refit.target import AsyncTarget, LocalTarget
@@ -51,7 +55,7 @@ class RefitSession:
                             version=version, allow_cast=allow_cast, bucket_bytes=bucket_bytes, verify=verify,
                             timeout_s=timeout_s, backup=backup)
         self.opts.validate()
-        if self.opts.transport == "dist":
+        if not transports.in_sessions(self.opts.transport):
             raise P.RefitError("refit_session supports the shm and cuda_ipc transports (dist: one push_weights)",
                                kind="validation")
         self.tgt = resolve(target)
@@ -88,8 +92,8 @@ class RefitSession:
             out_.send()
             if out_.refused is not None:
                 return out_.report(out_.refused, raise_on_error=True)
-            if out_.sender is not None and hasattr(out_.sender, "sizes"):
-                self._segments += len(out_.sender.sizes)
+            if out_.sender is not None:
+                self._segments += out_.sender.segments
             t2 = time.perf_counter()
             out = self._drive(C.coordinate_part(out_.req))
             out_.stages["engine"] = time.perf_counter() - t2

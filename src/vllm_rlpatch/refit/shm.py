@@ -26,6 +26,7 @@ import torch
 from vllm_rlpatch import envs
 from vllm_rlpatch.refit import checks
 from vllm_rlpatch.refit import protocol as P
+from vllm_rlpatch.refit.sender import Sender, SendJob
 from vllm_rlpatch.refit.source import Source
 
 _PREFIX = "vllm-rlpatch-"
@@ -120,10 +121,12 @@ class ShmPool:
             self.segments = []
 
 
-class ShmSender:
+class ShmSender(Sender):
     """The update packed into shared-memory segments, digested in the same pass (``verify``)."""
 
     kind = "shm"
+    packs_segments = True
+    offered_over_http = True
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], metas: list[P.TensorMeta], bucket_bytes: int, *,
                  verify: bool = True, pool: ShmPool | None = None, first_segment: int = 0):
@@ -148,9 +151,29 @@ class ShmSender:
             self.close()
             raise
 
+    @classmethod
+    def build(cls, job: SendJob) -> "ShmSender":
+        if not job.target.same_host():
+            raise P.RefitError("transport='shm' needs the trainer and the engine on one host; this target is on "
+                               "another host: use transport='dist' (or 'auto')", kind="validation")
+        return cls(job.tensors, job.metas, job.bucket_bytes, verify=job.verify, pool=job.pool(),
+                   first_segment=job.first_segment)
+
     def spec(self) -> dict[str, Any]:
         return {"kind": "shm", "segments": [{"path": p, "size": n} for p, n in zip(self.paths, self.seg_sizes)],
                 "digested": any(m.fingerprint for m in self.metas)}
+
+    @property
+    def stages(self) -> dict[str, float]:
+        return {"pack": self.seconds_pack}
+
+    @property
+    def host_bytes(self) -> int:
+        return self.nbytes
+
+    @property
+    def segments(self) -> int:
+        return len(self.sizes)
 
     @property
     def nbytes(self) -> int:

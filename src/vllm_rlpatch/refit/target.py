@@ -30,6 +30,14 @@ def is_loopback(host: str | None) -> bool:
         return host == "localhost"
 
 
+class EngineUnreachable(P.RefitError):
+    """The engine cannot answer: a dead Ray actor, a server that cannot be reached or did not answer in time
+    (a fleet declares it dead)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, kind="transport")
+
+
 class Target:
     """One engine a refit can update. Subclasses implement the RPCs; the coordinator is the same for all."""
 
