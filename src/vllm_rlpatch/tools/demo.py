@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
     _step(4, n, "reloading weights (a weight update) and reading the weight version")
 
     llm.collective_rpc("reload_weights")
-    frontend_version = vllm_rlpatch.weight_version(llm)
+    frontend_version = vllm_rlpatch.updates_seen(llm)
     try:
         worker_versions = llm.collective_rpc("rlpatch_weight_version")
     except Exception as e:  # plugin disabled: no worker extension
