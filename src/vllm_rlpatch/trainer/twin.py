@@ -227,6 +227,7 @@ class _Twin:
             grad[:, c0:c1] = d.to(grad.dtype)
         return grad
 
+
 def _autograd_fn():
     import torch
 

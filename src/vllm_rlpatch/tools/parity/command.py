@@ -102,7 +102,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-
 def _write(report: dict, json_path: Path, plot_path: Path | None) -> bool:
     """The JSON report and the plot; False (and why, on stderr) when they cannot be written."""
     try:

@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_rlpatch.tools.parity.configs import BOUND, METRICS, PHASES, REFERENCES
 
+
 def metrics(vllm_lps: list, ref_lps: list) -> dict[str, Any]:
     """Agreement of one set of tokens. A token whose logprob is non-finite (or <= -1e29, vLLM's -inf as
     reported) on either side counts in ``non_finite`` and is left out of the means."""

@@ -94,7 +94,6 @@ class Reference:
             torch.cuda.empty_cache()
 
 
-
 @contextlib.contextmanager
 def loading_bars(enabled: bool) -> Iterator[None]:
     """transformers' progress bars (``Loading weights``) on or off while a model loads; as they were after."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm_rlpatch.tools.parity.configs import BOUND, PHASES
 
+
 def _fmt(a: dict, digits: int = 4, pct: bool = False, count: bool = False) -> str:
     m = a["mean"]
     if m is None or (isinstance(m, float) and math.isnan(m)):

@@ -30,7 +30,6 @@ from vllm_rlpatch.tools.parity.reference import Reference
 from vllm_rlpatch.versions import vllm_info
 
 
-# ------------------------------------------------------------------------------------------ weights
 def perturb(src: str, dst: str, scale: float, seed: int) -> str:
     """``dst``: a copy of the checkpoint ``src`` with every matrix perturbed by seeded Gaussian noise of
     ``scale`` x its standard deviation (1-D tensors copied): "the trainer's next weights"."""
@@ -61,7 +60,6 @@ def perturb(src: str, dst: str, scale: float, seed: int) -> str:
     return str(dp)
 
 
-# ------------------------------------------------------------------------------------------ the run
 def run(*, model: str, configs: tuple[str, ...] = CONFIGS, temperature: float = 0.7, top_p: float = 0.9,
         top_k: int = 0, max_tokens: int = 48, prompts: int = 12, runs: int = 1, seed: int = 0,
         refit_to: str | None = None, refit_noise: float = 0.5, ignore_eos: bool = True, jobs: int = 1, engine_args: dict | None = None,

@@ -9,7 +9,15 @@ import sys
 from pathlib import Path
 
 from vllm_rlpatch.tools import options
-from vllm_rlpatch.tools.rollout.runs import HIGHER_IS_WORSE, STATS, RolloutError, load_side, reference_model, run_values
+from vllm_rlpatch.tools.rollout.runs import (
+    HIGHER_IS_WORSE,
+    STATS,
+    RolloutError,
+    load_side,
+    reference_model,
+    run_values,
+)
+
 
 def bounds(argv: list[str]) -> int:
     ap = options.parser(prog="vllm-rlpatch bounds",

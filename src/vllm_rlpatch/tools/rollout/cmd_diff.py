@@ -14,6 +14,7 @@ from typing import Any
 from vllm_rlpatch.tools import options, plot
 from vllm_rlpatch.tools.rollout.runs import STATS, RolloutError, load_side, reference_model, run_values, stat
 
+
 def _bootstrap(runs: list[dict], name: str, reps: int, rng) -> "Any":
     """Hierarchical bootstrap of the pooled statistic: runs with replacement, then samples within each."""
     import numpy as np

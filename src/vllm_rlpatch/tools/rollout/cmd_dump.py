@@ -15,6 +15,7 @@ from vllm_rlpatch import envs, registry
 from vllm_rlpatch.tools import options, parity, usermodel
 from vllm_rlpatch.tools.rollout.runs import RolloutError
 
+
 def _prompts(args) -> list[str] | None:
     """The prompts of --prompts FILE, or None for the embedded grammar's (made to fit the model later)."""
     if args.prompts:
