@@ -196,6 +196,38 @@ def test_max_error_exits_non_zero_when_the_all_configuration_exceeds_it(qwen):
     assert "plot: vllm-rlpatch-out/parity.png" in p.stdout
 
 
+def test_no_progress_prints_no_progress_lines_and_no_loading_bars(qwen):
+    err = qwen["proc"].stderr
+    assert "[parity " not in err and "engine up" not in err and "Loading weights" not in err, err[-3000:]
+
+
+def test_no_progress_silences_the_steps_and_the_reference_models_loading_bars(capfd):
+    """Engine-free: what --no-progress turns off, as the run uses it (the progress steps; transformers' bars
+    while the reference models load), and transformers' bars are as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    from vllm_rlpatch.tools import usermodel
+    from vllm_rlpatch.tools.parity import REFERENCES, Reference
+    from vllm_rlpatch.tools.parity.engines import Progress
+
+    def steps_and_references(progress):
+        prog = Progress(3, progress)
+        prog.step("stock: engine up")
+        prog.close()
+        ref = Reference(usermodel.resolve("llama-tiny"), "cpu", progress)
+        for kind in REFERENCES:
+            lps, _ = ref.logprobs(kind, [1, 2, 3], [4, 5], {"temperature": 0.7, "top_p": 0.9})
+            assert len(lps) == 2
+        ref.close()
+        return capfd.readouterr().err
+
+    bars = hf_logging.is_progress_bar_enabled()
+    shown = steps_and_references(True)
+    assert "engine up" in shown and (not bars or "Loading weights" in shown), shown
+    assert steps_and_references(False) == ""
+    assert hf_logging.is_progress_bar_enabled() == bars
+
+
 def test_the_fp32_head_improves_on_processed_logprobs_alone(llama):
     s = llama["report"]["configs"]
     for phase in ("before_refit", "after_refit"):
