@@ -15,7 +15,6 @@ commit writes, abort drops a prepared update) and one release after it. Passing 
 
 from __future__ import annotations
 
-import os
 import pickle
 from typing import Any, Protocol
 
@@ -31,10 +30,12 @@ PACKED = "rlpatch_packed"
 
 
 def insecure_serialization() -> bool:
-    try:
-        return bool(int(os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")))
-    except ValueError:
-        return False
+    """Does vLLM's serializer tag every leaf of a utility result with its type in this process? Asked of
+    vLLM's own ``envs`` (0.20 to 0.32 parse the variable alike), so packing follows the serializer, including
+    its environment cache once the engine core started."""
+    from vllm import envs as vllm_envs  # only an engine core packs: vLLM is loaded there, not in a trainer
+
+    return bool(vllm_envs.VLLM_ALLOW_INSECURE_SERIALIZATION)
 
 
 def pack_answers(result: list) -> list:
