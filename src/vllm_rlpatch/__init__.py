@@ -13,8 +13,9 @@ __version__ = "0.1.0"
 def status() -> "list[dict]":
     """One record per patch: ``name``, ``state`` (applied / disabled / not_needed / unsupported / failed),
     ``reason`` and the spec's range, ``fixed_in``, default and env toggle."""
-    from vllm_rlpatch import plugin, registry  # noqa: F401 - the plugin hands the patch list to the registry
+    from vllm_rlpatch import plugin, registry
 
+    plugin.compose()
     return [s.as_dict() for s in registry.status()]
 
 
