@@ -92,22 +92,6 @@ class Policy:
     tags_outputs: bool = False  # stamp every scheduled batch's outputs with its weight version
 
 
-@dataclasses.dataclass
-class Channel:
-    """Per-request data from the workers to the ``CompletionOutput`` (each callback runs in its process).
-
-    engine_core:  ``(scheduler, model_runner_output, outputs)`` after ``Scheduler.update_from_output``;
-                  calls :func:`put_payload` for the requests it has data for.
-    frontend:     ``(request_state, payload, n_before)`` in the front end, for each payload of this channel
-                  (``n_before``: the request's output tokens before this output's new ones).
-    completion:   ``(request_state, completion_output)`` when vLLM builds a ``CompletionOutput``.
-    """
-
-    name: str
-    engine_core: Callable[[Any, Any, dict], None] | None = None
-    frontend: Callable[[Any, Any, int], None] | None = None
-    completion: Callable[[Any, Any], None] | None = None
-
 _LOCK = threading.RLock()
 _POLICIES: dict[str, Policy] = {}
 _GUARDS: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
