@@ -9,9 +9,7 @@ import pytest
 from _pytest.reports import TestReport
 from _pytest.runner import runtestprotocol
 
-from vllm_rlpatch import plugin
-
-plugin.compose()  # the composition root hands the patch list to the registry
+import vllm_rlpatch.plugin  # noqa: F401 - the composition root hands the patch list to the registry
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "scripts"
