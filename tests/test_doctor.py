@@ -80,6 +80,7 @@ def test_strict_mode_raises_for_a_broken_patch_in_a_real_vllm_process(tmp_path):
     """A deliberately broken patch: reported `failed` (default) or raised (strict), never skipped."""
     code = (
         "import dataclasses, vllm_rlpatch.plugin\n"
+        "vllm_rlpatch.plugin.compose()\n"
         "from vllm_rlpatch import registry\n"
         "from vllm_rlpatch.patches import rl_defaults\n"
         "def boom(): raise RuntimeError('deliberately broken')\n"

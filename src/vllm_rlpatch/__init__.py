@@ -16,8 +16,9 @@ __all__ = ["__version__", "on_weight_update", "status", "updates_seen", "weight_
 def status() -> "list[dict]":
     """One record per patch: ``name``, ``state`` (applied / disabled / not_needed / unsupported / failed),
     ``reason`` and the spec's range, ``fixed_in``, default and env toggle."""
-    from vllm_rlpatch import plugin, registry  # noqa: F401 - the plugin hands the patch list to the registry
+    from vllm_rlpatch import plugin, registry
 
+    plugin.compose()
     return [s.as_dict() for s in registry.status()]
 
 

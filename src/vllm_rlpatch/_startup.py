@@ -22,16 +22,16 @@ from vllm_rlpatch._postimport import when_imported
 
 def declare_env_names(module=None):
     """Add the set ``VLLM_RLPATCH_*`` variables to ``vllm.envs.environment_variables``."""
-    try:
-        if module is None:
+    if module is None:
+        try:
             import vllm.envs as module
-        table = getattr(module, "environment_variables", None)
-        if isinstance(table, dict):
-            for name in os.environ:
-                if name.startswith("VLLM_RLPATCH_") and name not in table:
-                    table[name] = (lambda n=name: os.environ.get(n))
-    except Exception:
-        pass
+        except ImportError:  # no vLLM here: nothing would warn about our variables
+            return
+    table = getattr(module, "environment_variables", None)
+    if isinstance(table, dict):
+        for name in os.environ:
+            if name.startswith("VLLM_RLPATCH_") and name not in table:
+                table[name] = (lambda n=name: os.environ.get(n))
 
 
 def _on_arg_utils(module):
@@ -39,8 +39,10 @@ def _on_arg_utils(module):
         from vllm_rlpatch.hooks import explicit  # wrapt and the hook: loaded only once vLLM is imported
 
         explicit.install(module)
-    except Exception:  # never break the user's interpreter; the plugin reports it later
-        pass
+    except Exception as e:  # never break the import of vLLM; the plugin tries again when it registers
+        import logging
+
+        logging.getLogger("vllm.rlpatch").debug("vllm-rlpatch: explicit-argument capture unavailable: %r", e)
 
 
 try:

@@ -305,26 +305,39 @@ def known_names() -> list[str]:
     return [v.name for v in all_vars()]
 
 
+_WARNED: set[str] = set()  # unknown names this process has logged
+
+
+def warn_unknown() -> list[str]:
+    """A message for each set ``VLLM_RLPATCH_*`` name that no variable has (with the closest known name),
+    each logged as a WARNING once per process, however many readers of the environment ask. Complete only
+    once the patch toggles are declared (the composition root does both)."""
+    known = known_names()
+    warnings: list[str] = []
+    for name in sorted(os.environ):
+        if not name.startswith(PREFIX) or name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        msg = f"unknown environment variable {name} (ignored){hint}"
+        warnings.append(msg)
+        if name not in _WARNED:
+            _WARNED.add(name)
+            logger.warning("vllm-rlpatch: %s", msg)
+    return warnings
+
+
 def validate_environment() -> list[str]:
     """Parse every set ``VLLM_RLPATCH_*`` variable.
 
-    Raises :class:`EnvError` on the first invalid value. Returns a WARNING message for each unknown
-    ``VLLM_RLPATCH_*`` name (with the closest known name), and logs it.
+    Raises :class:`EnvError` on the first invalid value. Returns the unknown names' messages
+    (:func:`warn_unknown`, which logs each once per process).
     """
+    warnings = warn_unknown()
     known = {v.name: v for v in all_vars()}
-    warnings: list[str] = []
     for name in sorted(os.environ):
-        if not name.startswith(PREFIX):
-            continue
-        var = known.get(name)
-        if var is None:
-            close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            msg = f"unknown environment variable {name} (ignored){hint}"
-            warnings.append(msg)
-            logger.warning("vllm-rlpatch: %s", msg)
-            continue
-        var.get()  # raises EnvError on a bad value
+        if name in known:
+            known[name].get()  # raises EnvError on a bad value
     return warnings
 
 

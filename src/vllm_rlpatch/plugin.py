@@ -12,6 +12,10 @@ an explicitly enabled patch that failed): silent skipping is what it exists to p
 
 Processes forked after registration inherit vLLM's ``plugins_loaded`` flag and our applied patches, so
 ``register`` is not called again there; an at-fork hook reports the inherited status under the child's pid.
+
+This is also the composition root: :func:`compose` hands the patch list to the registry (which sits below the
+patches and cannot import them). ``register`` calls it; so does any other entry point that reads the registry
+without registering (``vllm_rlpatch.status()``, the tools). Importing the module has no side effect.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from vllm_rlpatch.versions import vllm_info
 logger = logging.getLogger("vllm.rlpatch")
 
 _LOCK = threading.Lock()
+_COMPOSE_LOCK = threading.Lock()
+_composed = False
 _registered_pid: int | None = None
 _fork_role_pending = False  # this process was forked from a registered one and has not been named yet
 _register_seconds: float | None = None
@@ -145,12 +151,20 @@ def _after_fork_in_child() -> None:
     # named now from the launching frame, else when (if) vLLM loads its plugins here (register() below)
     _fork_role_pending = named is None
     _role.set(named or f"forked:{_role.get()}")
+    _report_inherited(f"inherited from pid {parent} via fork", {"forked_from": parent})
+
+
+def _report_inherited(how: str, extra: dict[str, Any]) -> None:
+    """The summary line and status file of a process that inherited its patches through fork. The parent
+    validated the environment; a value made invalid since (os.environ changed in-process) costs the report,
+    said in a WARNING, never the process (this runs in an at-fork hook or inside vLLM's plugin loading)."""
     try:
         statuses = registry.status()
-        _log_summary(f"{_summary(statuses)} (inherited from pid {parent} via fork)")
-        _write_status_file(statuses, {"forked_from": parent})
-    except Exception:
-        pass
+    except envs.EnvError as e:
+        logger.warning("vllm-rlpatch: pid %d (%s) cannot report its patch status: %s", os.getpid(), how, e)
+        return
+    _log_summary(f"{_summary(statuses)} ({how})")
+    _write_status_file(statuses, extra)
 
 
 def _configure_logging() -> None:
@@ -180,17 +194,13 @@ def _register(role: str | None) -> None:
                 detected = role or _detect_role()
                 if detected != "other":
                     _role.set(detected)
-                    try:
-                        statuses = registry.status()
-                        _log_summary(f"{_summary(statuses)} (patches inherited via fork)")
-                        _write_status_file(statuses, {"forked": True})
-                    except Exception:
-                        pass
+                    _report_inherited("patches inherited via fork", {"forked": True})
             return
         t0 = time.perf_counter()
         _role.set(role or _detect_role())
         declare_env_names()
         _configure_logging()
+        compose()
         envs.validate_environment()  # raises EnvError on an invalid value
         if envs.ENABLED.get():
             try:
@@ -216,5 +226,16 @@ def _install_refit_routes(app: Any) -> None:
     http.install_routes(app)
 
 
-registry.use(ALL_PATCHES)
-refit_http.set_route_installer(_install_refit_routes)
+def compose() -> None:
+    """Wire the runtime, once per process: the registry gets the patch list (and with it ``envs`` the patch
+    toggles), the ``refit_http`` patch the refit routes. Importing this module wires nothing: every entry point
+    calls this first (:func:`register`, ``vllm_rlpatch.status()``, the tools, the tests). With the toggles
+    known, each unknown ``VLLM_RLPATCH_*`` name is reported here, once per process."""
+    global _composed
+    with _COMPOSE_LOCK:
+        if _composed:
+            return
+        registry.use(ALL_PATCHES)
+        refit_http.set_route_installer(_install_refit_routes)
+        _composed = True
+    envs.warn_unknown()

@@ -226,8 +226,8 @@ _PATCHES: tuple[PatchSpec, ...] | None = None
 
 
 def use(specs: Iterable[PatchSpec]) -> None:
-    """The composition root (:mod:`vllm_rlpatch.plugin`) hands over the patch list, in application order;
-    :mod:`vllm_rlpatch.envs` learns their toggles from here."""
+    """The composition root (:func:`vllm_rlpatch.plugin.compose`) hands over the patch list, in application
+    order; :mod:`vllm_rlpatch.envs` learns their toggles from here."""
     global _PATCHES
     with _LOCK:
         _PATCHES = tuple(specs)
@@ -237,8 +237,8 @@ def use(specs: Iterable[PatchSpec]) -> None:
 def patches() -> tuple[PatchSpec, ...]:
     """Every known patch spec, in application order."""
     if _PATCHES is None:
-        raise RuntimeError("vllm-rlpatch: the registry has no patch list; import vllm_rlpatch.plugin (the "
-                           "composition root hands it over)")
+        raise RuntimeError("vllm-rlpatch: the registry has no patch list; call vllm_rlpatch.plugin.compose() "
+                           "first (the composition root hands it over)")
     return _PATCHES
 
 

@@ -8,8 +8,9 @@ import importlib
 import json
 import sys
 
-import vllm_rlpatch.plugin  # noqa: F401 - the composition root hands the patch list to the registry
-from vllm_rlpatch import _wrapping, registry
+from vllm_rlpatch import _wrapping, plugin, registry
+
+plugin.compose()  # the composition root hands the patch list to the registry
 
 
 def modules_of(specs):

@@ -2,4 +2,6 @@
 upstream, tables, plots). Nothing in the runtime (plugin, refit, patches, hooks, core) imports this package.
 """
 
-import vllm_rlpatch.plugin  # noqa: E402,F401 - the composition root hands the patch list to the registry
+from vllm_rlpatch import plugin
+
+plugin.compose()  # the tools read the registry: the composition root hands it the patch list
