@@ -9,7 +9,9 @@ from _pytest.reports import TestReport
 from _pytest.runner import runtestprotocol
 from support.env import vllm_version
 
-import vllm_rlpatch.plugin  # noqa: F401 - the composition root hands the patch list to the registry
+from vllm_rlpatch import plugin
+
+plugin.compose()  # the composition root hands the patch list to the registry
 
 # The suite tests the plugin, not torch.compile: with enforce_eager vLLM still compiles a few helpers with
 # torch.compile at start-up, and on these CPUs inductor's ISA checks alone spawn Python subprocesses. With

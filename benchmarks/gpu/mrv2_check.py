@@ -121,16 +121,16 @@ def run(work: Path, allow_v1: bool, engine_timeout: float = 300) -> dict:
     import torch
     import vllm
 
-    import vllm_rlpatch.plugin  # noqa: F401 - the composition root hands the patch list to the registry
     from support import reference as R
     from support.env import model_path
     from support.logs import summaries_in
     from test_rl_correctness import LONG, SHORT as SHORT8
-    from vllm_rlpatch import _wrapping, registry
+    from vllm_rlpatch import _wrapping, plugin, registry
     from vllm_rlpatch.patches import ALL_PATCHES
     from vllm_rlpatch.tools.targets import all_targets
     from vllm_rlpatch.versions import vllm_info
 
+    plugin.compose()  # the composition root hands the patch list to the registry
     info = vllm_info()
     s = P.Sweep(work)
     out: dict = {"check": "mrv2_check", "vllm": str(info.version), "distribution": info.distribution,

@@ -137,14 +137,14 @@ def probe(work: Path) -> dict:
 
     import torch
 
-    import vllm_rlpatch.plugin  # noqa: F401 - the composition root hands the patch list to the registry
     from support.env import amx_host, model_path
     from support.logs import summaries_in
-    from vllm_rlpatch import _wrapping, registry
+    from vllm_rlpatch import _wrapping, plugin, registry
     from vllm_rlpatch.patches import ALL_PATCHES
     from vllm_rlpatch.tools.targets import all_targets
     from vllm_rlpatch.versions import vllm_info
 
+    plugin.compose()  # the composition root hands the patch list to the registry
     info = vllm_info()
     v = info.version
     s = Sweep(work)
