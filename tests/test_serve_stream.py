@@ -2,15 +2,14 @@
 RequestOutput objects (DELTA outputs, as a stream gets them), including outputs that vLLM's
 RequestOutputCollector merged because the consumer fell behind (``RequestOutput.add``).
 
-A merged DELTA output keeps the *first* output's plugin fields (vLLM merges only its own), so its later tokens
-would have no support entry and no version span. :func:`merge_fields` is the fix proposed for the engine-core
-hook (it owns ``rlpatch_weight_versions`` and the output channels); the test applies it as a monkeypatch."""
+vLLM merges only its own fields: the engine-core hook joins the plugin's (``rlpatch_weight_versions`` and each
+output channel's data) or a merged DELTA output's later tokens would have no support entry and no version span.
+The tests with that hook off show the loss."""
 
 import json
 import math
 
 import pytest
-import wrapt
 
 from vllm_rlpatch.patches import refit_http as H
 from vllm_rlpatch.patches.sampling_support import SamplingSupport
@@ -20,38 +19,20 @@ pytestmark = pytest.mark.vllm
 ENGINE = {"vllm": "0.32.0", "runner": "v1", "device": "cpu"}
 
 
-def merge_fields(wrapped, instance, args, kwargs):
-    """``RequestOutput.add(next_output, aggregate)``: with ``aggregate`` (DELTA) each merged CompletionOutput
-    takes the later output's spans (they index the whole output so far) and the concatenation of both support
-    lists; without it vLLM replaces the outputs, fields included."""
-    nxt = args[0] if args else kwargs["next_output"]
-    aggregate = args[1] if len(args) > 1 else kwargs["aggregate"]
-    before = {c.index: c for c in instance.outputs}
-    wrapped(*args, **kwargs)
-    if not aggregate:
-        return
-    for n in nxt.outputs:
-        c = before.get(n.index)
-        if c is None or c is n:
-            continue
-        if getattr(n, H.VERSIONS, None) is not None:
-            setattr(c, H.VERSIONS, getattr(n, H.VERSIONS))
-        a, b = getattr(c, H.SUPPORT, None), getattr(n, H.SUPPORT, None)
-        if b is not None:
-            setattr(c, H.SUPPORT, b if a is None else SamplingSupport(
-                list(a.log_mass_kept) + list(b.log_mass_kept), list(a.kept_count) + list(b.kept_count), a.engine))
-
-
 @pytest.fixture
 def merge_fix():
-    from vllm.outputs import RequestOutput
+    """The engine-core hook, which joins the fields of DELTA outputs vLLM merges (``RequestOutput.add``), with
+    the sampling_support channel's merge; the plugin installs both in a process that runs vLLM."""
+    from vllm_rlpatch.hooks import engine_core
+    from vllm_rlpatch.patches import sampling_support
 
-    original = RequestOutput.__dict__["add"]
-    wrapt.wrap_function_wrapper(RequestOutput, "add", merge_fields)
+    engine_core.require("test_serve_stream")
+    engine_core.add_channel(sampling_support.CHANNEL)
     try:
         yield
     finally:
-        RequestOutput.add = original
+        engine_core.remove_channel(sampling_support.CHANNEL.name)
+        engine_core.release("test_serve_stream")
 
 
 def _delta(index, tokens, end, versions, support=True):
@@ -153,3 +134,12 @@ def test_a_full_responses_support_is_what_processed_logprobs_takes():
                                  engine_info=[sup], return_details=True)
     assert det["engine_info_used"].tolist() == [[True, False]] and bool(torch.isfinite(lp).all())
     assert abs(float(lp[0, 0]) - (float(logits[0, 0].log_softmax(-1)[3]) + 0.25)) < 1e-5
+
+
+def test_without_the_hook_a_merged_output_loses_its_later_tokens_fields():
+    """vLLM as installed: three DELTA outputs merged before a read keep the first one's fields only."""
+    chunks = list(_chunks(H._StreamFields(), _stream_of([[1, 1, 1]]), role=False))
+    ch = chunks[0]["choices"][0]
+    assert ch["token_ids"] == [10, 11, 12]
+    right = ([[0, 3, 1, 1]], [-0.1, -0.11, -0.12])
+    assert (ch.get(H.VERSIONS), (ch.get(H.SUPPORT) or {}).get("log_mass_kept")) != right

@@ -47,6 +47,7 @@ OWNER = "engine_core_hook"
 CORE = "vllm.v1.engine.core"
 SCHED = "vllm.v1.core.sched.scheduler"
 OUTPUTS = "vllm.v1.engine.output_processor"
+REQUEST_OUTPUT = "vllm.outputs"
 
 CORE_TARGETS = (
     f"{CORE}:EngineCore.collective_rpc",
@@ -63,6 +64,7 @@ SCHED_TARGETS = (
 FRONTEND_TARGETS = (
     f"{OUTPUTS}:OutputProcessor.process_outputs",
     f"{OUTPUTS}:RequestState._new_completion_output",
+    f"{REQUEST_OUTPUT}:RequestOutput.add",
 )
 TARGETS = CORE_TARGETS + SCHED_TARGETS + FRONTEND_TARGETS
 
@@ -276,6 +278,7 @@ _WRAPPERS: dict[str, Callable] = {
     f"{SCHED}:Scheduler._preempt_request": _preempt_wrapper,
     f"{OUTPUTS}:OutputProcessor.process_outputs": output_stamps.process_outputs_wrapper,
     f"{OUTPUTS}:RequestState._new_completion_output": output_stamps.new_completion_output_wrapper,
+    f"{REQUEST_OUTPUT}:RequestOutput.add": output_stamps.request_output_add_wrapper,
 }
 
 
@@ -285,7 +288,7 @@ def _missing(targets: list[str]) -> None:
 
 
 _LAZY = [_wrapping.LateWraps(module, {t: w for t, w in _WRAPPERS.items() if t.partition(":")[0] == module}, OWNER,
-                             on_missing=_missing) for module in (CORE, SCHED, OUTPUTS)]
+                             on_missing=_missing) for module in (CORE, SCHED, OUTPUTS, REQUEST_OUTPUT)]
 
 
 def require(user: str) -> None:

@@ -38,12 +38,16 @@ class Channel:
     frontend:     ``(request_state, payload, n_before)`` in the front end, for each payload of this channel
                   (``n_before``: the request's output tokens before this output's new ones).
     completion:   ``(request_state, completion_output)`` when vLLM builds a ``CompletionOutput``.
+    merge:        ``(completion_output, next_completion_output)`` when vLLM merges a DELTA output that nobody
+                  read yet into the next one (``RequestOutput.add(..., aggregate=True)``: a stream read more
+                  slowly than the engine produces): the channel's data for the later tokens joins the earlier.
     """
 
     name: str
     engine_core: Callable[[Any, Any, dict], None] | None = None
     frontend: Callable[[Any, Any, int], None] | None = None
     completion: Callable[[Any, Any], None] | None = None
+    merge: Callable[[Any, Any], None] | None = None
 
 
 
@@ -160,6 +164,34 @@ def spans_of(starts: list[tuple[int, int, int]], end: int) -> list[VersionSpan]:
         elif e > s or (i + 1 == len(starts) and not out):
             out.append(VersionSpan(s, e, v, kv))
     return out
+
+
+def request_output_add_wrapper(wrapped, instance, args, kwargs):
+    """``RequestOutput.add(next_output, aggregate)``. vLLM merges DELTA outputs that the caller has not read yet
+    (its output collector, under a slow stream reader) by extending the earlier ``CompletionOutput`` in place,
+    which keeps the earlier one's fields: the later tokens would lose their spans and channel data. The later
+    output's spans index the whole output so far, so they replace the earlier ones; each channel joins its own
+    data. Without ``aggregate`` vLLM replaces the outputs, fields included."""
+    nxt = args[0] if args else kwargs.get("next_output")
+    aggregate = args[1] if len(args) > 1 else kwargs.get("aggregate", False)
+    before = {c.index: c for c in instance.outputs}
+    result = wrapped(*args, **kwargs)
+    if not aggregate or nxt is None:
+        return result
+    for n in nxt.outputs:
+        c = before.get(n.index)
+        if c is None or c is n:
+            continue
+        spans = getattr(n, "rlpatch_weight_versions", None)
+        if spans is not None:
+            c.rlpatch_weight_versions = spans
+        for ch in _channels():
+            if ch.merge is not None:
+                try:
+                    ch.merge(c, n)
+                except Exception:
+                    logger.exception("vllm-rlpatch: output channel %s failed merging outputs", ch.name)
+    return result
 
 
 def new_completion_output_wrapper(wrapped, instance, args, kwargs):

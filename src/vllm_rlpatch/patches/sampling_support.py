@@ -420,7 +420,19 @@ def _completion(state: Any, out: Any) -> None:
         pass
 
 
-CHANNEL = engine_core.Channel(NAME, engine_core=_engine_core, frontend=_frontend, completion=_completion)
+def _merge(into: Any, nxt: Any) -> None:
+    """Two DELTA outputs merged into one (a stream read more slowly than the engine produces): the later
+    tokens' entries follow the earlier ones'."""
+    a, b = getattr(into, "rlpatch_support", None), getattr(nxt, "rlpatch_support", None)
+    if b is None:
+        return
+    into.rlpatch_support = b if a is None else SamplingSupport(
+        list(a.log_mass_kept) + list(b.log_mass_kept), list(a.kept_count) + list(b.kept_count),
+        a.engine or b.engine)
+
+
+CHANNEL = engine_core.Channel(NAME, engine_core=_engine_core, frontend=_frontend, completion=_completion,
+                              merge=_merge)
 
 
 # ------------------------------------------------------------------------------------------ apply/revert
