@@ -83,8 +83,8 @@ class WorkerRefit(WorkerState):
         """Testing only (``VLLM_RLPATCH_FAULT_INJECTION=1``): the next transaction fails at ``where``
         (``prepare``, ``after_first_write``; ``@rankN`` for one rank)."""
         if not envs.FAULT_INJECTION.get():
-            return {"ok": False, "message": "fault injection is disabled in this engine (VLLM_RLPATCH_FAULT_INJECTION=1 "
-                                            "enables it, for tests)"}
+            return {"ok": False, "message": "fault injection is disabled in this engine "
+                                            "(VLLM_RLPATCH_FAULT_INJECTION=1 enables it, for tests)"}
         if where.split("@")[0] not in FAULTS:
             return {"ok": False, "message": f"unknown fault {where!r}: prepare or after_first_write (@rankN)"}
         self.armed_fault = where
@@ -163,7 +163,8 @@ def weights_fingerprint(model) -> tuple[str, dict[str, str]]:
     """One digest of every parameter and buffer of ``model`` (by name), and each one's."""
     named = []
     seen = set()
-    for n, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for n, t in tensors:
         if id(t) in seen or t.is_meta:
             continue
         seen.add(id(t))
