@@ -194,7 +194,7 @@ class DistSource(Source):
     collective = True
 
     @classmethod
-    def for_worker(cls, metas, spec: dict[str, Any], worker_rank: int, device: torch.device) -> "DistSource":
+    def for_rank(cls, metas, spec: dict[str, Any], worker_rank: int, device: torch.device) -> "DistSource":
         return cls(metas, spec, int(spec.get("rank_base", 1)) + worker_rank, device)
 
     def __init__(self, metas, spec: dict[str, Any], rank: int, device: torch.device):

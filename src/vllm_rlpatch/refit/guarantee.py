@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from vllm_rlpatch.hooks import wake
 from vllm_rlpatch.refit import backup as B
 from vllm_rlpatch.refit import protocol as P

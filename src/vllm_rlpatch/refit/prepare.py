@@ -153,7 +153,7 @@ def name_sets(c: Prep) -> None:
         names = frozenset(n for n in all_names if n not in c.schema.aliases)
         if cache is not None:
             cache.all_names, cache.plan_names = all_names, names
-    c.part = Part(c.req, c.metas, c.source, all_names, names, c.template)
+    c.part = Part(c.metas, c.source, all_names, names, c.template)
     c.tx.stage("open", now() - c.t_open)
     c.tx.mark("opened")
 

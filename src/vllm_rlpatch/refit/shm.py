@@ -182,7 +182,7 @@ class ShmSource(Source):
         self.maps: list[torch.Tensor] = []
 
     @classmethod
-    def for_worker(cls, metas: list[P.TensorMeta], spec: dict[str, Any], worker_rank: int,
+    def for_rank(cls, metas: list[P.TensorMeta], spec: dict[str, Any], worker_rank: int,
                    device: torch.device) -> "ShmSource":
         return cls(metas, spec)
 

@@ -30,7 +30,7 @@ class Source:
     pinned = False  # kept open across updates (an update template's source)
 
     @classmethod
-    def for_worker(cls, metas: list[P.TensorMeta], spec: dict[str, Any], worker_rank: int,
+    def for_rank(cls, metas: list[P.TensorMeta], spec: dict[str, Any], worker_rank: int,
                    device: torch.device) -> "Source":
         """The source of worker ``worker_rank`` (its rank in its engine) for a request's transport ``spec``."""
         return cls(metas, spec, device)

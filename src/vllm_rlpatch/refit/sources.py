@@ -39,4 +39,4 @@ def make_source(req: P.RefitRequest, metas: list[P.TensorMeta], worker: Any, dev
     cls = source_class(req.transport)
     if cls is None:
         raise P.RefitError(f"unknown transport {(req.transport or {}).get('kind')!r}", kind="validation")
-    return cls.for_worker(metas, req.transport or {}, int(getattr(worker, "rank", 0) or 0), device)
+    return cls.for_rank(metas, req.transport or {}, int(getattr(worker, "rank", 0) or 0), device)

@@ -63,9 +63,9 @@ def failure(kind: str, state: str, message: str, stages: dict, checks_: list, pr
 class Part:
     """One prepared part of an update."""
 
-    def __init__(self, req: P.RefitRequest, metas: list[P.TensorMeta], source: Source, names: frozenset[str],
-                 plan_names: frozenset[str], template: Template | None):
-        self.req, self.metas, self.source = req, metas, source
+    def __init__(self, metas: list[P.TensorMeta], source: Source, names: frozenset[str], plan_names: frozenset[str],
+                 template: Template | None):
+        self.metas, self.source = metas, source
         self.names = names  # every tensor's name
         self.plan_names = plan_names  # ``names`` less the tied aliases (an update template keeps both)
         self.template = template  # the update template it uses or registers (its caches), or None
