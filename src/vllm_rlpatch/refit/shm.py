@@ -183,7 +183,7 @@ class ShmSource(Source):
 
     @classmethod
     def for_rank(cls, metas: list[P.TensorMeta], spec: dict[str, Any], worker_rank: int,
-                   device: torch.device) -> "ShmSource":
+                 device: torch.device) -> "ShmSource":
         return cls(metas, spec)
 
     def open(self) -> None:

@@ -31,7 +31,7 @@ class Source:
 
     @classmethod
     def for_rank(cls, metas: list[P.TensorMeta], spec: dict[str, Any], worker_rank: int,
-                   device: torch.device) -> "Source":
+                 device: torch.device) -> "Source":
         """The source of worker ``worker_rank`` (its rank in its engine) for a request's transport ``spec``."""
         return cls(metas, spec, device)
 
