@@ -229,12 +229,14 @@ def test_the_worker_fences_a_late_or_aborted_commit():
 
     w = W()
     wr = T.WorkerRefit(w)
-    wr.txs["late"] = T._Tx({"txid": "late", "deadline": time.time() - 2.0})
+    wr.txs["late"] = T.Transaction(P.RefitRequest.from_wire({"txid": "late", "deadline": time.time() - 2.0}))
     r = wr.commit("late")
     assert (r["ok"], r["kind"], r["state"]) == (False, "refused", "unchanged") and "deadline" in r["message"]
     assert "late" not in wr.txs
-    wr.txs["gone"] = T._Tx({"txid": "gone"})
+    wr.txs["gone"] = T.Transaction(P.RefitRequest.from_wire({"txid": "gone"}))
     assert wr.abort("gone")["state"] == "unchanged"
+    for _ in range(2):  # an update this worker never held: absent, and idempotent
+        assert wr.abort("never") == {"ok": True, "state": "unchanged", "absent": True, "note": "nothing to abort"}
     r = wr.commit("gone")
     assert (r["ok"], r["kind"]) == (False, "refused") and "aborted" in r["message"]
     r = wr.prepare({"txid": "gone"})

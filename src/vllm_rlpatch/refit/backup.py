@@ -137,6 +137,52 @@ def fits(nbytes: int, kind: str, device: torch.device, have: int = 0) -> tuple[b
                 f"memory), the backup needs {nbytes / 2**30:.2f} GiB")
 
 
+class BackupPool:
+    """A worker's arenas, one per kind, reused across its updates; device memory goes back to the trainer as
+    soon as an update ends (:meth:`end_update`)."""
+
+    def __init__(self) -> None:
+        self.arenas: dict[str, BackupArena] = {}
+
+    def arena(self, kind: str, device: torch.device) -> BackupArena:
+        a = self.arenas.get(kind)
+        if a is None:
+            a = self.arenas[kind] = BackupArena(kind, device)
+        return a
+
+    def reserve(self, kind: str, nbytes: int, slots: int, device: torch.device) -> tuple[bool, str]:
+        """Room for a backup of ``nbytes`` in ``slots`` slots of ``kind`` memory, allocated now: (ok, why not)."""
+        arena = self.arena(kind, device)
+        ok, why = fits(nbytes, kind, device, arena.capacity)
+        if not ok:
+            return False, why
+        try:
+            arena.reserve(nbytes, slots)
+        except Exception as e:  # noqa: BLE001 - out of memory while reserving: nothing written
+            return False, f"reserving {nbytes / 2**30:.2f} GiB of {kind} memory failed: {type(e).__name__}: {e}"
+        return True, ""
+
+    def grow_for_part(self, kind: str, nbytes: int, held: int, device: torch.device) -> tuple[bool, str]:
+        """Room for one more part's backup (``held`` bytes already taken by the earlier parts): a session's parts
+        share one arena, which a later part grows by a chunk."""
+        arena = self.arena(kind, device)
+        have = arena.capacity - held
+        ok, why = fits(nbytes, kind, device, max(0, have))
+        if ok and have < nbytes:
+            arena.grow(nbytes)
+        return ok, why
+
+    def end_update(self, device: torch.device) -> None:
+        """An update ended: host arenas stay for the next one; device memory goes back to the trainer at once."""
+        for kind, a in list(self.arenas.items()):
+            held = kind == "device" and bool(a.chunks)
+            a.release(keep=kind != "device")
+            if kind == "device" and device.type == "cuda":
+                del self.arenas[kind]
+                if held:  # the allocator's cache only holds something when the arena did
+                    torch.cuda.empty_cache()
+
+
 # ------------------------------------------------------------------------------------------ window backup
 class WindowBackup:
     """Backups of destination windows (views into parameters), written overlapped with the update's copies."""

@@ -68,6 +68,12 @@ def rpc_split(t0: float, t1: float, results: list) -> dict[str, float]:
     return {k: max(v, 0.0) for k, v in split.items()}
 
 
+def commit_result(res: list, t0: float, t1: float) -> dict[str, Any]:
+    """The part of an update's result a commit RPC gives (sent at ``t0``, answered at ``t1``): the ranks'
+    answers, its seconds, where they went (:func:`rpc_split`) and its clock."""
+    return {"workers": res, "seconds_commit": t1 - t0, "commit_split": rpc_split(t0, t1, res), "commit_clock": (t0, t1)}
+
+
 def timeline(marks: list[tuple[str, float]], out: dict[str, Any]) -> list[list]:
     """One update's points in time, in ms after its first mark: the caller's ``marks`` and, where the commit
     RPC's clocks are comparable (:func:`rpc_split`), the engine core's and rank 0's (``core.*``, ``worker.*``)."""
@@ -98,8 +104,7 @@ def coordinate(req: dict[str, Any]) -> Generator[Rpc, list, dict[str, Any]]:
         # one worker, nothing to agree on across ranks: prepare and commit in a single round trip
         res = yield (COMMIT, (req["txid"],), {"version": req.get("version"), "release": True, "request": req, **rpc_kw})
         t1 = time.perf_counter()
-        out: dict[str, Any] = {"workers": res, "seconds_commit": t1 - t0, "commit_split": rpc_split(t0, t1, res),
-                               "commit_clock": (t0, t1)}
+        out = commit_result(res, t0, t1)
         bad = [r for r in res if not r.get("ok")]
         if not bad:
             out.update(ok=True, state="committed", version=max((r.get("version") or 0) for r in res))
@@ -135,8 +140,7 @@ def coordinate_commit(req: dict[str, Any], n: int, keep: bool = False) -> Genera
     rpc_kw = {"inflight": req.get("inflight")}
     res = yield (COMMIT, (req["txid"],), {"version": req.get("version"), "release": n == 1 and not keep, **rpc_kw})
     t2 = time.perf_counter()
-    out: dict[str, Any] = {"workers": res, "seconds_commit": t2 - t1, "commit_split": rpc_split(t1, t2, res),
-                           "commit_clock": (t1, t2)}
+    out = commit_result(res, t1, t2)
     failed = [r for r in res if not r.get("ok")]
     if not failed:
         if n > 1 and not keep:

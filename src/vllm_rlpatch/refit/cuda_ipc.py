@@ -26,6 +26,8 @@ def ipc_unpickle(handle: bytes):
 
 
 def ipc_open(handles: list[Any], device: torch.device) -> list[torch.Tensor]:
+    """The trainer's tensors, opened in this process; :class:`~vllm_rlpatch.refit.protocol.TransportError` when a
+    handle does not open (the trainer freed its tensor or exited, another GPU)."""
     out = []
     for h in handles:
         fn, args = ipc_unpickle(h) if isinstance(h, (bytes, bytearray)) else h
@@ -33,7 +35,13 @@ def ipc_open(handles: list[Any], device: torch.device) -> list[torch.Tensor]:
         # reduce_tensor records the sender's device index (arg 6); open it on this worker's device
         if device.type == "cuda" and len(args) > 6:
             args[6] = device.index if device.index is not None else torch.cuda.current_device()
-        out.append(fn(*args))
+        try:
+            out.append(fn(*args))
+        except RuntimeError as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise P.TransportError(f"cuda_ipc transport: a CUDA IPC handle did not open in the engine's worker "
+                                   f"({type(e).__name__}: {first}): the trainer freed the tensor or exited, or "
+                                   "it is on another GPU") from e
     return out
 
 
@@ -56,6 +64,7 @@ _IPC_LAYOUT: dict[bytes, torch.Tensor] = {}
 class IpcSource(Source):
     """The trainer's own tensors (same GPU, other process), opened by handle; no copy, no second hash."""
 
+    kind = "cuda_ipc"
     trusted_digests = True
 
     def __init__(self, metas, spec: dict[str, Any], device: torch.device):
@@ -97,6 +106,7 @@ class LayoutSource(Source):
     """Zero-pack CUDA IPC: one buffer laid out like the engine's parameters; the trainer's tensors are views
     into it. One handle, opened once and kept while the trainer keeps it."""
 
+    kind = "cuda_ipc_layout"
     trusted_digests = True
 
     def __init__(self, metas, spec: dict[str, Any], device: torch.device):

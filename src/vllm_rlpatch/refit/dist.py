@@ -225,6 +225,13 @@ class DistSender(Sender):
 class DistSource(Source):
     """Buckets received from the trainer (rank 0), bucket by bucket, into this worker's memory."""
 
+    kind = "dist"
+    collective = True
+
+    @classmethod
+    def for_rank(cls, metas, spec: dict[str, Any], worker_rank: int, device: torch.device) -> "DistSource":
+        return cls(metas, spec, int(spec.get("rank_base", 1)) + worker_rank, device)
+
     def __init__(self, metas, spec: dict[str, Any], rank: int, device: torch.device):
         self.metas, self.spec, self.rank, self.device = metas, spec, rank, device
         self.pg = None
@@ -253,10 +260,10 @@ class DistSource(Source):
         except Exception as e:
             self.failed = True
             first = str(e).splitlines()[0] if str(e) else ""
-            raise P.RefitError(f"dist transport: the broadcast group did not form within {timeout.total_seconds():.1f} "
-                               f"s (rank {self.rank} of {s['world_size']}; {type(e).__name__}: {first}): another "
-                               "rank never joined (a hung engine or worker) or the sender died",
-                               kind="transport") from e
+            raise P.TransportError(f"dist transport: the broadcast group did not form within "
+                                   f"{timeout.total_seconds():.1f} s (rank {self.rank} of {s['world_size']}; "
+                                   f"{type(e).__name__}: {first}): another rank never joined (a hung engine or "
+                                   "worker) or the sender died") from e
 
     def _receive(self, seg: int) -> torch.Tensor:
         size = int(self.spec["segments"][seg])
@@ -266,9 +273,9 @@ class DistSource(Source):
             self._take(buf, seg)
         except Exception as e:
             self.failed = True
-            raise P.RefitError(f"dist transport: bucket {seg + 1}/{len(self.spec['segments'])} did not arrive "
-                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the sender "
-                               "died or the network failed", kind="transport") from e
+            raise P.TransportError(f"dist transport: bucket {seg + 1}/{len(self.spec['segments'])} did not arrive "
+                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the sender "
+                                   "died or the network failed") from e
         self.received += 1
         self.extra_host_bytes += size if dev.type == "cpu" else 0
         return buf
@@ -284,6 +291,9 @@ class DistSource(Source):
                 wait_all(self._sends)
         else:
             self.pg.broadcast([buf], broadcast_opts()).wait()
+
+    def streams(self) -> bool:
+        return self.streaming_ok
 
     def receive_all(self) -> None:
         for seg in range(len(self.spec["segments"])):
@@ -330,10 +340,7 @@ class DistSource(Source):
             wait_all(self._sends)
         self._sends = []
         pg, self.pg = self.pg, None
-        if pg is not None:
-            try:
-                shutdown = getattr(pg, "shutdown", None) or getattr(pg, "abort", None)
-                if shutdown is not None:
-                    shutdown()
-            except Exception:
-                pass
+        shutdown = (getattr(pg, "shutdown", None) or getattr(pg, "abort", None)) if pg is not None else None
+        if shutdown is not None:
+            with contextlib.suppress(Exception):  # a group a failed rank broke: nothing left to shut down
+                shutdown()

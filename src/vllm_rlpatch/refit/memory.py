@@ -3,10 +3,13 @@ total, PyTorch's allocator, the sleep-mode pools by tag and the KV cache vLLM al
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from vllm_rlpatch.patches.kv_cache_pin import capacity
+
+logger = logging.getLogger("vllm.rlpatch")
 
 
 def worker_memory(worker: Any) -> dict[str, Any]:
@@ -28,8 +31,8 @@ def worker_memory(worker: Any) -> dict[str, Any]:
         inst = CuMemAllocator.instance
         for data in list(getattr(inst, "pointer_to_data", {}).values()) if inst is not None else ():
             pools[data.tag] = pools.get(data.tag, 0) + int(data.handle[1])
-    except Exception:  # no CUDA build / no cumem: no pools
-        pass
+    except Exception as e:  # noqa: BLE001 - no CUDA build / no cumem: no pools
+        logger.debug("vllm-rlpatch: no sleep-mode pools to report: %s: %s", type(e).__name__, e)
     out["pools"] = pools
     kvc = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
     if kvc is not None:

@@ -16,8 +16,9 @@ Trust: a plan is used only after it was verified against a real update that went
 layerwise reload: every recorded destination window must hold exactly the source window it names. It stays
 trusted only while every destination is still the model's live storage (:meth:`CopyPlan.live`: a
 ``data_ptr`` check before each use, and the model's modules still hold tensors on those storages: a parameter
-replaced by a new object elsewhere would leave the plan writing where the model no longer reads); anything that re-points a parameter (a reload, sleep level 2, a LoRA
-change) invalidates it, and the next complete layerwise update captures a new one.
+replaced by a new object elsewhere would leave the plan writing where the model no longer reads); anything that
+re-points a parameter (a reload, sleep level 2, a LoRA change) invalidates it, and the next complete layerwise
+update captures a new one.
 
 With a plan, a write is plain copies that cannot fail part-way once validated, which is what the
 ``validate-then-write`` guarantee needs (:meth:`CopyPlan.preconditions`), and its destination windows can be
@@ -26,6 +27,7 @@ compared with the sources' digests after the write.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import operator
@@ -74,6 +76,14 @@ class PlanError(RuntimeError):
     pass
 
 
+def _storage_address(t: torch.Tensor | None) -> int:
+    """The address of a tensor's storage; -1 for none, a meta tensor, or one whose storage cannot be read."""
+    try:
+        return -1 if t is None or t.is_meta else t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
+
+
 class _Capture(TorchDispatchMode):
     def __init__(self, origin: torch.Tensor, storages: dict[int, torch.Tensor]):
         super().__init__()
@@ -114,6 +124,19 @@ class CopyPlan:
         # ``_parameters``/``_buffers`` dict, the attribute, the storage's address at capture). The plan writes
         # through its own references; the model computes with what these hold, so :meth:`live` checks both
         self.holders = holders or []
+        # what :meth:`live` reads on every update, derived once: one entry per parameter (not per window), the
+        # parameters, and the holders' dicts and keys
+        uniq: dict[int, Entry] = {}
+        for e in entries:
+            uniq.setdefault(id(e.dst), e)
+        self._uniq = list(uniq.values())
+        self._uniq_dst = [e.dst for e in self._uniq]
+        self._h_dicts = [h[1] for h in self.holders]
+        self._h_attrs = [h[2] for h in self.holders]
+        # (parameter addresses, storage offsets, held objects) at the last full check that passed
+        self._live_ptrs: tuple[list, list, list] | None = None
+        self._windows: dict[int, torch.Tensor] = {}  # entry id -> its destination view
+        self._window_bytes: int | None = None
 
     # -------------------------------------------------------------- build
     @classmethod
@@ -182,22 +205,6 @@ class CopyPlan:
         self.verified = True
         return None
 
-    def apply(self, sources: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for e in self.entries:
-                self._dst_view(e.dst, e.dst_geom).copy_(self._src_view(sources[e.name], e.src_geom),
-                                                        non_blocking=True)
-
-    def apply_one(self, name: str, src: torch.Tensor) -> None:
-        """One source tensor as it arrives (a streamed transport)."""
-        if not hasattr(self, "_by_name"):
-            self._by_name: dict[str, list[Entry]] = {}
-            for e in self.entries:
-                self._by_name.setdefault(e.name, []).append(e)
-        with torch.no_grad():
-            for e in self._by_name.get(name, ()):
-                self._dst_view(e.dst, e.dst_geom).copy_(self._src_view(src, e.src_geom), non_blocking=True)
-
     def covers(self, names: set[str]) -> bool:
         return names == self.names
 
@@ -207,71 +214,60 @@ class CopyPlan:
 
     def live(self) -> str | None:
         """None if every destination is still the model's storage the plan was captured on, else why not."""
-        uniq = self.__dict__.get("_uniq")
-        if uniq is None:  # one check per parameter, not per window
-            seen: dict[int, Entry] = {}
-            for e in self.entries:
-                seen.setdefault(id(e.dst), e)
-            uniq = self._uniq = list(seen.values())
         # vLLM's parameter classes override __torch_function__: reading a storage through them runs Python per
         # call; the subclass dispatch is off for these reads (plain tensor semantics, the same storage)
         with torch._C.DisableTorchFunctionSubclass():
-            # every update asks: first the parameters' own addresses and storage offsets (so their storages'
-            # addresses) in two C-level passes, equal to those of the last full check that passed (a moved or
-            # meta parameter differs: the full check then says which, by its storage)
-            # and the tensors the model holds in those places, the same objects as then (identity, in C)
-            seen = self.__dict__.get("_live_ptrs")
-            if seen is not None:
-                try:
-                    if list(map(torch.Tensor.data_ptr, self._uniq_dst)) == seen[0] \
-                            and list(map(torch.Tensor.storage_offset, self._uniq_dst)) == seen[1] \
-                            and all(map(operator.is_, map(dict.get, self._h_dicts, self._h_attrs), seen[2])):
-                        return None
-                except (RuntimeError, NotImplementedError):
-                    pass
-            for e in uniq:
-                try:  # the parameter's own storage (no .data alias to build); a meta tensor's is at 0
-                    ptr = e.dst.untyped_storage().data_ptr()
-                except (RuntimeError, NotImplementedError):
-                    ptr = -1
-                if ptr != e.dst_ptr or e.dst.is_meta:
+            if self._unchanged_since_last_check():
+                return None
+            for e in self._uniq:
+                # the parameter's own storage (no .data alias to build); a meta tensor's is at 0
+                if _storage_address(e.dst) != e.dst_ptr or e.dst.is_meta:
                     self._live_ptrs = None
                     return f"{e.name}: its parameter no longer lives where the plan recorded it (re-pointed by a " \
                            "reload, a sleep or a LoRA change)"
             for qual, d, attr, ptr in self.holders:
-                t = d.get(attr)
-                try:
-                    now = -1 if t is None or t.is_meta else t.untyped_storage().data_ptr()
-                except (RuntimeError, NotImplementedError):
-                    now = -1
-                if now != ptr:
+                if _storage_address(d.get(attr)) != ptr:
                     self._live_ptrs = None
                     return f"{qual}: the model's tensor there was replaced (the model no longer computes with the " \
                            "storage the plan writes: a reload, a LoRA change or user code re-registered it)"
-            self._uniq_dst = [e.dst for e in uniq]
-            self._h_dicts = [h[1] for h in self.holders]
-            self._h_attrs = [h[2] for h in self.holders]
             try:
-                self._live_ptrs = (list(map(torch.Tensor.data_ptr, self._uniq_dst)),
-                                   list(map(torch.Tensor.storage_offset, self._uniq_dst)),
-                                   list(map(dict.get, self._h_dicts, self._h_attrs)))
+                self._live_ptrs = self._snapshot()
             except (RuntimeError, NotImplementedError):
                 self._live_ptrs = None
         return None
 
+    def _snapshot(self) -> tuple[list, list, list]:
+        """The parameters' own addresses and storage offsets (so their storages' addresses), and the tensors the
+        model holds in their places: two C-level passes and an identity map."""
+        return (list(map(torch.Tensor.data_ptr, self._uniq_dst)),
+                list(map(torch.Tensor.storage_offset, self._uniq_dst)),
+                list(map(dict.get, self._h_dicts, self._h_attrs)))
+
+    def _unchanged_since_last_check(self) -> bool:
+        """Every update asks: the same addresses, offsets and held objects (identity) as at the last full check
+        that passed (a moved or meta parameter differs: the full check then says which, by its storage)."""
+        seen = self._live_ptrs
+        if seen is None:
+            return False
+        try:
+            return list(map(torch.Tensor.data_ptr, self._uniq_dst)) == seen[0] \
+                and list(map(torch.Tensor.storage_offset, self._uniq_dst)) == seen[1] \
+                and all(map(operator.is_, map(dict.get, self._h_dicts, self._h_attrs), seen[2]))
+        except (RuntimeError, NotImplementedError):
+            return False
+
     def window_bytes(self) -> int:
         """Bytes of every destination window (what a backup of a whole update holds)."""
-        n = self.__dict__.get("_window_bytes")
-        if n is None:
-            n = self._window_bytes = sum(e.dst.element_size() * _numel(e.dst_geom[0]) for e in self.entries)
-        return n
+        if self._window_bytes is None:
+            self._window_bytes = sum(e.dst.element_size() * _numel(e.dst_geom[0]) for e in self.entries)
+        return self._window_bytes
 
     def entries_for(self, names: set[str] | None = None) -> list[Entry]:
         return [e for e in self.entries if names is None or e.name in names]
 
     def windows(self, entries: list[Entry]) -> list[torch.Tensor]:
         """The destination windows (views into the parameters; cached per entry while the plan is live)."""
-        cache = self.__dict__.setdefault("_windows", {})
+        cache = self._windows
         out = []
         for e in entries:
             w = cache.get(id(e))
@@ -288,8 +284,6 @@ class CopyPlan:
         why = self.live()
         if why:
             return why
-        import bisect
-
         spans: dict[int, int] = {}
         for e in entries:  # the destination storages, as sorted address intervals
             st = e.dst.data.untyped_storage()

@@ -66,6 +66,15 @@ class RefitError(RuntimeError):
         self.report = report
 
 
+class TransportError(RefitError):
+    """The bytes did not arrive (kind ``transport``): a transport's source could not open or receive them (a
+    missing or truncated segment, a broadcast group that did not form, a bucket lost, a handle that does not
+    open)."""
+
+    def __init__(self, message: str, **kw):
+        super().__init__(message, kind="transport", **kw)
+
+
 @dataclasses.dataclass
 class TensorMeta:
     """One tensor of an update. ``segment``/``offset``: where its bytes are in the transport's buffers."""
@@ -126,10 +135,6 @@ def fingerprint(t: torch.Tensor) -> str:
     return fingerprints([t])[0]
 
 
-def nonfinite_counts(tensors: list[torch.Tensor]) -> list[int]:
-    return [d.nonfinite for d in checks.digests(tensors)]
-
-
 def combine(fps: Iterable[str]) -> str:
     """One digest for a set of named fingerprints (order-independent input expected sorted by name)."""
     import hashlib
@@ -139,6 +144,45 @@ def combine(fps: Iterable[str]) -> str:
         h.update(f.encode())
         h.update(b"\n")
     return h.hexdigest()[:32]
+
+
+# ------------------------------------------------------------------------------------------ the request
+@dataclasses.dataclass
+class RefitRequest:
+    """One part of an update, as a worker receives it (``rlpatch_refit_prepare``, or ``rlpatch_refit_commit``
+    with ``request``). On the wire (vLLM's collective_rpc, HTTP) it is a plain dict: :meth:`from_wire` reads
+    one, :meth:`to_wire` writes one. The defaults are what a worker assumes for a key the dict lacks."""
+
+    txid: str
+    mode: str | None = "atomic"  # atomic | direct (``direct``: the guarantee ``none``)
+    guarantee: str | None = "auto"  # one of GUARANTEES
+    partial: bool = False  # a subset of whole layers
+    allow_cast: bool = False
+    version: int | None = None  # the version to reach (None: the engine's next)
+    inflight: str | None = None  # what happens to running requests (the engine core reads it)
+    verify: bool = True  # digest the bytes (and the destination windows after the write)
+    backup: str | None = "auto"  # where a ``rollback`` backup lives: auto | device | host
+    workers: int | None = None  # the engine's worker count (1: prepare and commit in one RPC)
+    session: bool = False  # a part of a refit_session (several parts, one commit)
+    tensors: list[dict[str, Any]] | None = None  # TensorMeta dicts (None with an update template)
+    transport: dict[str, Any] | None = None  # the transport's spec (``kind`` and what its Source needs)
+    template: str | None = None  # register this update as a template under this key
+    fingerprints: list[str | None] | None = None  # an update template's digests, one per tensor
+    nonfinite: list[int | None] | None = None  # an update template's NaN/inf counts, one per tensor
+    deadline: float | None = None  # wall-clock time after which the worker refuses to commit (a fleet's fence)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "RefitRequest":
+        deadline = d.get("deadline")
+        return cls(d["txid"], d.get("mode", "atomic"), d.get("guarantee", "auto"), bool(d.get("partial", False)),
+                   bool(d.get("allow_cast", False)), d.get("version"), d.get("inflight"), bool(d.get("verify", True)),
+                   d.get("backup", "auto"), d.get("workers"), bool(d.get("session")), d.get("tensors"),
+                   d.get("transport"), d.get("template"), d.get("fingerprints"), d.get("nonfinite"),
+                   float(deadline) if deadline is not None else None)
+
+    def to_wire(self) -> dict[str, Any]:
+        # by hand, like TensorMeta.as_dict: dataclasses.asdict deep-copies the tensor records
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 # ------------------------------------------------------------------------------------------ schema

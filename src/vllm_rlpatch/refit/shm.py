@@ -197,10 +197,17 @@ class ShmSource(Source):
     """Views into the trainer's segments. ``trusted_digests``: the trainer digested these very pages while
     packing them, so the worker does not read them again to check."""
 
+    kind = "shm"
+
     def __init__(self, metas: list[P.TensorMeta], spec: dict[str, Any]):
         self.metas, self.segments = metas, spec["segments"]
         self.trusted_digests = bool(spec.get("digested"))
         self.maps: list[torch.Tensor] = []
+
+    @classmethod
+    def for_rank(cls, metas: list[P.TensorMeta], spec: dict[str, Any], worker_rank: int,
+                 device: torch.device) -> "ShmSource":
+        return cls(metas, spec)
 
     def open(self) -> None:
         keep = {}
@@ -209,16 +216,19 @@ class ShmSource(Source):
             try:
                 st = os.stat(path)
             except FileNotFoundError:
-                raise P.RefitError(f"shared-memory segment {path} does not exist in the engine's worker (the trainer "
-                                   "and the engine must share /dev/shm: same host, same container)",
-                                   kind="transport") from None
+                raise P.TransportError(f"shared-memory segment {path} does not exist in the engine's worker (the "
+                                       "trainer and the engine must share /dev/shm: same host, same container)") \
+                    from None
             if st.st_size < size:
-                raise P.RefitError(f"shared-memory segment {path} holds {st.st_size} bytes, {size} expected "
-                                   "(truncated: did the sender die?)", kind="transport")
+                raise P.TransportError(f"shared-memory segment {path} holds {st.st_size} bytes, {size} expected "
+                                       "(truncated: did the sender die?)")
             key = (path, st.st_ino, size)
             m = _SHM_MAPS.get(key)
             if m is None:
-                m = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                try:
+                    m = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                except (OSError, RuntimeError) as e:
+                    raise P.TransportError(f"shared-memory segment {path} could not be mapped: {e}") from e
             keep[key] = m
             self.maps.append(m)
         _SHM_MAPS.clear()  # views an open transaction still holds keep their segments mapped themselves

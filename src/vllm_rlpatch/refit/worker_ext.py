@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 import time
 from typing import Any
@@ -25,6 +26,8 @@ from vllm_rlpatch.hooks import mixed, weights, workerctx
 from vllm_rlpatch.patches.worker_extension import COMPOSE_PREFIX, QUALNAME, compose_qualname  # noqa: F401
 from vllm_rlpatch.refit import memory, transaction
 from vllm_rlpatch.versions import vllm_info
+
+logger = logging.getLogger("vllm.rlpatch")
 
 
 class RLPatchWorkerExtension:
@@ -54,8 +57,10 @@ class RLPatchWorkerExtension:
             workerctx.rest_rpc_reader()
         try:
             weights.settle(self, raise_mixed=False)
-        except Exception:  # closing a half-loaded direct-load session failed: the state below says what it left
-            pass
+        except Exception as e:  # noqa: BLE001 - closing a half-loaded direct-load session failed: the state below
+            # says what it left
+            logger.debug("vllm-rlpatch: settling the weights before the weight state failed: %s: %s",
+                         type(e).__name__, e)
         m = mixed.worker_state()
         return {"version": weights.weight_version(self), "mixed": m.as_dict() if m is not None else None}
 
