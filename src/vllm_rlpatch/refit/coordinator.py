@@ -267,10 +267,16 @@ def finish(front: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def rpc_error_to_refit(e: BaseException, what: str) -> P.RefitError:
+def rpc_error_to_refit(e: BaseException, what: str, *, name_refusals: bool = False) -> P.RefitError:
+    """An exception from vLLM's RPC machinery as a :class:`RefitError` with a kind. vLLM hands a worker's or the
+    engine core's exception across processes as text (``collective_rpc``, utility calls), so this is the one
+    place that reads an error's message: the engine's refusal (asleep, a refused update) and the workers'
+    missing ``rlpatch_*`` methods have no type of their own there. A refusal's message is the engine's own
+    line (``name_refusals``: prefixed with ``what`` like every other)."""
     msg = str(e)
     if "asleep" in msg or "refused" in msg:
-        return P.RefitError(msg.split("\n")[0], kind="refused")
+        line = msg.split("\n")[0]
+        return P.RefitError(f"{what}: {line}" if name_refusals else line, kind="refused")
     if "has no attribute 'rlpatch_" in msg or "rlpatch_refit" in msg and "AttributeError" in msg:
         return P.RefitError(f"{what}: the engine's workers have no rlpatch_* methods: vllm-rlpatch is not active in "
                             "the engine's processes (not installed there, VLLM_PLUGINS excludes 'rlpatch', or "

@@ -186,9 +186,7 @@ def _run_phase(engines: list[_Engine], what: str, args: Callable[[_Engine], dict
             if isinstance(c.error, P.RefitError):  # a remote engine's call (Ray, HTTP) said what went wrong
                 err = P.RefitError(f"{e.name} {what}: {_one_line(c.error)}", kind=c.error.kind)
             else:
-                err = C.rpc_error_to_refit(c.error, f"{e.name} {what}")
-                if not str(err).startswith(e.name):
-                    err = P.RefitError(f"{e.name} {what}: {_one_line(err)}", kind=err.kind)
+                err = C.rpc_error_to_refit(c.error, f"{e.name} {what}", name_refusals=True)
             e.errors.append(_one_line(err))
             if _is_dead(c.error):
                 e.dead = True

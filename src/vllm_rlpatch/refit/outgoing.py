@@ -191,7 +191,7 @@ class Outgoing:
         """Record the template once the engine took it; True if the engine did not know it (resend in full)."""
         if self.template_key is None:
             return False
-        if out.get("kind") == "template":
+        if out.get("kind") == P.UNKNOWN_TEMPLATE:
             self.cache.template = None
             return True
         if self.template_new and out.get("ok"):

@@ -95,7 +95,7 @@ def read_metadata(c: Prep) -> dict[str, Any] | None:
         # and IPC handles opened then; only this update's digests travel
         c.reused = c.ws.templates.get(key)
         if c.reused is None:
-            return c.tx.fail("template", "unknown update template (the engine restarted?): send the full request",
+            return c.tx.fail(P.UNKNOWN_TEMPLATE, "unknown update template (the engine restarted?): send the full request",
                              state="unchanged")
         c.metas = c.reused.metas  # the template's own records, this update's digests written into them
         fps = c.req.fingerprints or [None] * len(c.metas)

@@ -44,6 +44,10 @@ def dtype_of(name: str) -> torch.dtype:
 GUARANTEES = ("auto", "rollback", "validate-then-write")
 
 
+# A failure's kind when the engine does not hold the update template a request names (it restarted, or the
+# template was released): the sender answers with the full request.
+UNKNOWN_TEMPLATE = "template"
+
 class RefitError(RuntimeError):
     """A weight update that did not land.
 

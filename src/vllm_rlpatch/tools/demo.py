@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import vllm_rlpatch
 from vllm_rlpatch import models
@@ -28,8 +29,7 @@ def _step(i: int, n: int, msg: str) -> None:
     print(f"[{i}/{n}] {msg}", flush=True)
 
 
-@options.scoped_log_level
-def main(argv: list[str]) -> int:
+def _parse(argv: list[str]):
     ap = options.parser("vllm-rlpatch demo", __doc__.split("\n\n")[0].replace("``", ""))
     usermodel.add_model_options(ap, default=models.DEFAULT)
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
@@ -44,6 +44,69 @@ def main(argv: list[str]) -> int:
         ap.error("--top-p must be in (0, 1]")
     if args.temperature <= 0:
         ap.error("--temperature must be > 0 (the demo samples)")
+    return args
+
+
+def _generate(llm: Any, prompts: list, args) -> tuple[list[dict], int, int, float]:
+    """(completions, positions with logprobs, positions where a token outside the nucleus came back -inf,
+    seconds)."""
+    import vllm
+
+    sp = [vllm.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                              logprobs=5, seed=args.seed + i) for i in range(len(PROMPTS))]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    t_gen = time.perf_counter() - t0
+    positions = masked = 0
+    completions = []
+    for o in outs:
+        c = o.outputs[0]
+        completions.append({"prompt": o.prompt if o.prompt is not None else f"<{len(o.prompt_token_ids)} tokens>",
+                            "text": c.text, "tokens": len(c.token_ids),
+                            "finish_reason": c.finish_reason})
+        for step in c.logprobs or []:
+            positions += 1
+            masked += any(v.logprob == -math.inf for v in step.values())
+    return completions, positions, masked, t_gen
+
+
+def _processes(status_dir: str) -> list[dict]:
+    procs = []
+    for p in sorted(Path(status_dir).glob("*.json")):
+        d = json.loads(p.read_text())
+        procs.append({"pid": d["pid"], "role": d["role"],
+                      "applied": [x["name"] for x in d["patches"] if x["state"] == "applied"]})
+    return procs
+
+
+def _print_report(r: dict) -> None:
+    print()
+    print("completions:")
+    for c in r["completions"]:
+        print(f"  {c['prompt']!r} -> {c['text']!r} ({c['tokens']} tokens, {c['finish_reason']})")
+    print()
+    print("vLLM processes that loaded the plugin:")
+    for p in r["processes"]:
+        print(f"  pid {p['pid']:<7} {p['role']:<12} applied: {', '.join(p['applied']) or '-'}")
+    print()
+    mode = r["logprobs_mode"]
+    s = r["settings"].get("logprobs_mode")
+    print(f"logprobs_mode = {mode} ({s['source'] + ', ' + s['reason'] if s else 'stock vLLM'})")
+    masked, positions = r["masked_positions"], r["positions"]
+    frac = masked / positions if positions else 0.0
+    verdict = ("returned logprobs are the sampled (behaviour-policy) distribution"
+               if mode == "processed_logprobs" else
+               "returned logprobs are RAW (T=1, no top-p): not the behaviour policy at these sampling settings")
+    print(f"positions with tokens outside the top-p nucleus reported as -inf: {masked}/{positions} "
+          f"({frac:.0%}) -> {verdict}")
+    wv = r["weight_version"]
+    print(f"weight version after one reload: frontend {wv['frontend']}, workers {wv['workers']}")
+    print(f"engine start {r['seconds']['engine_start']:.1f} s, generate {r['seconds']['generate']:.2f} s")
+
+
+@options.scoped_log_level
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
     try:
         model = usermodel.resolve_for(args, "demo")
         budget = usermodel.prompt_budget(usermodel.default_max_model_len(model, 512), args.max_tokens)
@@ -73,27 +136,11 @@ def main(argv: list[str]) -> int:
     t_start = time.perf_counter() - t0
 
     _step(3, n, f"generating {len(PROMPTS)} prompts at T={args.temperature}, top-p={args.top_p}")
-    sp = [vllm.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                              logprobs=5, seed=args.seed + i) for i in range(len(PROMPTS))]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    t_gen = time.perf_counter() - t0
-    positions = masked = 0
-    completions = []
-    for o in outs:
-        c = o.outputs[0]
-        completions.append({"prompt": o.prompt if o.prompt is not None else f"<{len(o.prompt_token_ids)} tokens>",
-                            "text": c.text, "tokens": len(c.token_ids),
-                            "finish_reason": c.finish_reason})
-        for step in c.logprobs or []:
-            positions += 1
-            masked += any(v.logprob == -math.inf for v in step.values())
-    cfg = llm.llm_engine.vllm_config
-
+    completions, positions, masked, t_gen = _generate(llm, prompts, args)
+    mode = str(llm.llm_engine.vllm_config.model_config.logprobs_mode)
     settings = {k: s.as_dict() for k, s in config_hook.last_settings().items()}
 
     _step(4, n, "reloading weights (a weight update) and reading the weight version")
-
     llm.collective_rpc("reload_weights")
     frontend_version = vllm_rlpatch.updates_seen(llm)
     try:
@@ -101,37 +148,12 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # plugin disabled: no worker extension
         worker_versions = f"unavailable ({type(e).__name__})"
 
-    procs = []
-    for p in sorted(Path(status_dir).glob("*.json")):
-        d = json.loads(p.read_text())
-        procs.append({"pid": d["pid"], "role": d["role"],
-                      "applied": [x["name"] for x in d["patches"] if x["state"] == "applied"]})
-
-    print()
-    print("completions:")
-    for c in completions:
-        print(f"  {c['prompt']!r} -> {c['text']!r} ({c['tokens']} tokens, {c['finish_reason']})")
-    print()
-    print("vLLM processes that loaded the plugin:")
-    for p in procs:
-        print(f"  pid {p['pid']:<7} {p['role']:<12} applied: {', '.join(p['applied']) or '-'}")
-    print()
-    mode = str(cfg.model_config.logprobs_mode)
-    s = settings.get("logprobs_mode")
-    print(f"logprobs_mode = {mode} ({s['source'] + ', ' + s['reason'] if s else 'stock vLLM'})")
-    frac = masked / positions if positions else 0.0
-    verdict = ("returned logprobs are the sampled (behaviour-policy) distribution"
-               if mode == "processed_logprobs" else
-               "returned logprobs are RAW (T=1, no top-p): not the behaviour policy at these sampling settings")
-    print(f"positions with tokens outside the top-p nucleus reported as -inf: {masked}/{positions} "
-          f"({frac:.0%}) -> {verdict}")
-    print(f"weight version after one reload: frontend {frontend_version}, workers {worker_versions}")
-    print(f"engine start {t_start:.1f} s, generate {t_gen:.2f} s")
+    r = {"doctor": report, "completions": completions, "processes": _processes(status_dir), "logprobs_mode": mode,
+         "settings": settings, "masked_positions": masked, "positions": positions,
+         "weight_version": {"frontend": frontend_version, "workers": worker_versions},
+         "seconds": {"engine_start": t_start, "generate": t_gen}}
+    _print_report(r)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "doctor": report, "completions": completions, "processes": procs, "logprobs_mode": mode,
-            "settings": settings, "masked_positions": masked, "positions": positions,
-            "weight_version": {"frontend": frontend_version, "workers": worker_versions},
-            "seconds": {"engine_start": t_start, "generate": t_gen}}, indent=2, default=str))
+        Path(args.json).write_text(json.dumps(r, indent=2, default=str))
         print(f"wrote {args.json}")
     return 0
