@@ -7,8 +7,6 @@ it is imported by the ``.pth`` start-up hook in every interpreter of the environ
 
 from __future__ import annotations
 
-import warnings  # (loaded by the interpreter itself: costs the start-up hook nothing)
-
 __version__ = "0.1.0"
 __all__ = ["__version__", "on_weight_update", "status", "updates_seen", "weight_version"]
 
@@ -33,6 +31,8 @@ def updates_seen(engine) -> int:
 
 def weight_version(engine) -> int:
     """Deprecated: :func:`updates_seen` (the name meant another thing than ``vllm_rlpatch.refit.weight_version``)."""
+    import warnings  # not at the top: the start-up hook imports this module in every interpreter
+
     warnings.warn("vllm_rlpatch.weight_version is deprecated: use vllm_rlpatch.updates_seen (the updates this "
                   "process saw), or vllm_rlpatch.refit.weight_version (the engine's version, read from its workers)",
                   DeprecationWarning, stacklevel=2)
