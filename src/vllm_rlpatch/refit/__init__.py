@@ -13,8 +13,10 @@ Layout: :mod:`.api` (the entry points), :mod:`.push` (one update's steps), :mod:
 update), :mod:`.caches` (what it keeps per engine), :mod:`.report`, :mod:`.session`, :mod:`.fleet`, :mod:`.target`
 (what can be updated), :mod:`.coordinator` (the worker RPCs in order), :mod:`.transports` (the transports by
 name), one module per transport with its sender and its source (:mod:`.shm`, :mod:`.dist`, :mod:`.cuda_ipc` with
-:mod:`.ipc_sender`), and on the engine side :mod:`.transaction` (guarantee levels),
-:mod:`.backup`, :mod:`.plan` (the copy plan) and :mod:`.checks` (the fused checksum + finite check).
+:mod:`.ipc_sender`), and on the engine side :mod:`.transaction` (the worker's refit state; the guarantee levels),
+:mod:`.prepare` (the preparation steps, in order), :mod:`.sources` (the sources by transport), :mod:`.commit`
+(:mod:`.write_plan`, :mod:`.write_layerwise`, :mod:`.undo`), :mod:`.backup`, :mod:`.plan` (the copy plan) and
+:mod:`.checks` (the fused checksum + finite check).
 """
 
 from vllm_rlpatch.refit.report import RefitReport
