@@ -37,12 +37,8 @@ def _restore_windows(tx: Transaction) -> tuple[str, str]:
     tx.windows.restore()
     tx.stage("restore", now() - t1)
     bad = [w for w, s in tx.windows.saved if not _equal(w, s)]
-    tx.check("restore_compared")
-    if bad:
-        return "mixed", f"{len(bad)} window(s) differ from their backup after the restore"
-    mixed.clear_worker()
-    return "restored", f"old weights restored from a {tx.backup_kind} backup ({tx.windows.bytes} bytes), " \
-                       "compared with it"
+    return _compared(tx, tx.windows.bytes, f"{len(bad)} window(s) differ from their backup after the restore"
+                     if bad else None)
 
 
 def _restore_state(ws: WorkerState, tx: Transaction) -> tuple[str, str]:
@@ -55,12 +51,17 @@ def _restore_state(ws: WorkerState, tx: Transaction) -> tuple[str, str]:
     tx.stage("restore", now() - t1)
     model = ws.model
     bad = [n for n, saved in tx.state_backup.saved_named() if not _same_storage_bytes(model, n, saved)]
+    return _compared(tx, tx.state_backup.bytes, f"{len(bad)} tensor(s) differ from their backup after the "
+                     f"restore: {', '.join(bad[:4])}" if bad else None)
+
+
+def _compared(tx: Transaction, nbytes: int, mismatch: str | None) -> tuple[str, str]:
+    """The state after a restore whose result was compared with the backup: ``mismatch`` says what differed."""
     tx.check("restore_compared")
-    if bad:
-        return "mixed", f"{len(bad)} tensor(s) differ from their backup after the restore: {', '.join(bad[:4])}"
+    if mismatch is not None:
+        return "mixed", mismatch
     mixed.clear_worker()
-    return "restored", f"old weights restored from a {tx.backup_kind} backup ({tx.state_backup.bytes} bytes), " \
-                       "compared with it"
+    return "restored", f"old weights restored from a {tx.backup_kind} backup ({nbytes} bytes), compared with it"
 
 
 def close_open_reload(ws: WorkerState, tx: Transaction) -> None:
