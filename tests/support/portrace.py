@@ -35,10 +35,24 @@ def env_for(patch: str, patched: bool | None, lease_dir: str, **extra: str) -> d
     return env
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out as a connection's source port (Linux: ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_band(n: int, lo: int = 21000, hi: int = 60000) -> int:
-    """A start port with n ports above it that nobody on this host binds now."""
+    """A start port with n ports above it that nobody on this host binds now, below the kernel's ephemeral range
+    where the host allows it: a trial's own outgoing connections (its TCPStore clients, its queues) take
+    source ports from that range, and one landing in the band would fail a bind that the code under test
+    did right."""
     import random
 
+    if _ephemeral_low() - lo > 4 * n:
+        hi = min(hi, _ephemeral_low())
     rnd = random.Random(os.getpid() ^ int(time.time()))
     for _ in range(400):
         start = rnd.randrange(lo, hi - n)
