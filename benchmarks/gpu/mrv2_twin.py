@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", metavar="DIR", help="keep the spec, the captured logits and the engine's log here")
     ap.add_argument("--from", dest="from_dir", metavar="DIR",
                     help="no engine: read a kept run's engine.log and logits.pt (from --keep) and compare again")
+    ap.add_argument("--dump-rows", metavar="FILE",
+                    help="save the rows `explain` rebuilds (top-k/top-p input, k, p) for mrv2_top_p_interp.py --rows")
     a = ap.parse_args(argv)
     if not 1 <= a.prompts <= len(PROMPTS) or a.tokens < 1:
         print(f"error: --prompts must be 1-{len(PROMPTS)} and --tokens >= 1", file=sys.stderr)
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
     out["checks"]["twin_matches"] = {"ok": ok, "tolerance": TOL, "rules": res}
     try:
         lp_own, _ = processed_logprobs(L, T, sps, prompt_token_ids=prompts, engine=engine, return_details=True)
-        out["explain"] = explain(L, T, R, sps, lp_own)
+        out["explain"] = explain(L, T, R, sps, lp_own, a.dump_rows)
     except Exception as e:  # noqa: BLE001 - information only: recorded, the checks stand
         out["explain"] = {"error": f"{type(e).__name__}: {e}"}
     say(f"explain: {json.dumps({k: v for k, v in out['explain'].items() if k != 'rows'})}")
@@ -244,7 +246,7 @@ def _topk_topp_kernel():
     return "cpu (Triton interpreter)", apply
 
 
-def explain(L, T, R, sps, lp) -> dict:
+def explain(L, T, R, sps, lp, dump: str | None = None) -> dict:
     """Rows of the tokens over the tolerance (settings without penalties): the kept count the engine used (the
     smallest prefix, by value, whose log-sum-exp gives its returned logprob), vLLM's kernel's and vLLM's PyTorch
     implementation's on the rebuilt row."""
@@ -275,6 +277,9 @@ def explain(L, T, R, sps, lp) -> dict:
         return out
     X = torch.stack(rows)
     k, p = torch.tensor(ks, dtype=torch.int32), torch.tensor(ps, dtype=torch.float32)
+    if dump:
+        torch.save({"logits": X, "k": k, "p": p, "engine_kept": torch.tensor(engine_n)}, dump)
+        out["rows_saved_to"] = dump
     torch_n = torch.isfinite(apply_top_k_top_p_pytorch(X.clone(), k.long(), p, allow_cpu_sync=True)).sum(1).tolist()
     out.update(engine_kept_equals_torch=sum(a == b for a, b in zip(engine_n, torch_n)),
                engine_minus_torch=dict(sorted(__import__("collections").Counter(

@@ -15,7 +15,8 @@ without top-k); `--random N` random rows (bf16-rounded logits, exact ties, a `--
 masked by min-p); `--rows FILE.pt` rows captured from an engine ({"logits": [R, V] fp32 after temperature and
 min-p, "k": [R] int, "p": [R] float}). Exit status 0 when the patched kernel (if run) keeps the nominal set on
 every constructed and captured row and the unpatched one (if run) misses on at least one constructed row; 1
-otherwise; 2 on bad arguments. The random rows are reported, not judged: they also show differences the patch
+otherwise; 2 on bad arguments. The random rows (and, with `--api`, the
+constructed rows in a batch small enough for vLLM's split-row pipeline) are reported, not judged: they also show differences the patch
 does not address (top-k then top-p with ties at the top-k boundary; the boundary tie group's trim count from
 fp32 sums in another order).
 """
@@ -27,6 +28,9 @@ import json
 import os
 import sys
 import time
+
+
+INFO = ("random", "constructed_split")  # reported, not judged
 
 
 def kernel_module(patched: bool):
@@ -92,15 +96,15 @@ def randomized(R: int, V: int, seed: int):
     return x, k, p
 
 
-def compare(q, x, k, p, device, gpu_blocks):
+def compare(q, x, k, p, device, gpu_blocks, api=False):
     import torch
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
     ref = torch.isfinite(apply_top_k_top_p_pytorch(x.clone(), None if k is None else k.long(), p.clone(),
                                                    allow_cpu_sync=True))
     t0 = time.monotonic()
-    got = torch.isfinite(run_kernel(q, x.clone().to(device), None if k is None else k.to(device), p.to(device),
-                                    gpu_blocks)).cpu()
+    xd, kd, pd = x.clone().to(device), None if k is None else k.to(device), p.to(device)
+    got = torch.isfinite(q.apply_top_k_top_p_triton(xd, kd, pd) if api else run_kernel(q, xd, kd, pd, gpu_blocks)).cpu()
     dt = time.monotonic() - t0
     diff = (got.sum(1) - ref.sum(1)).tolist()
     # the same kept values (a tie group cut at the boundary may keep other indices of equal values: torch's sort
@@ -118,6 +122,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rows", help="captured rows (torch.save of {logits, k, p})")
     ap.add_argument("--cpu-blocks", action="store_true", help="the launch constants vLLM uses for a CPU tensor")
+    ap.add_argument("--api", action="store_true",
+                    help="call the module's apply_top_k_top_p_triton (vLLM's dispatch: split pipeline, launch "
+                         "constants) instead of one direct launch (GPU only)")
+    ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when Triton has a GPU)")
     a = ap.parse_args(argv)
     if a.vocab < 16 or a.random < 0:
@@ -131,6 +139,9 @@ def main(argv=None) -> int:
 
     device = a.device or ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
                           else "cuda")
+    if a.api and device == "cpu":
+        print("error: --api needs a GPU (vLLM dispatches CPU tensors to other launch constants)", file=sys.stderr)
+        return 2
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("error: on the CPU run with TRITON_INTERPRET=1", file=sys.stderr)
         return 2
@@ -138,6 +149,13 @@ def main(argv=None) -> int:
     sets = {"constructed": (*constructed(a.vocab), None)}
     cx, cp, _ = sets["constructed"]
     sets["constructed"] = (cx, None, cp)
+    if a.api:
+        # vLLM sends p-only batches of <= 64 rows to its split-row pipeline (correct here): reported apart; the
+        # constructed rows are repeated past that batch size to reach the monolithic kernel
+        sets["constructed_split"] = (cx, None, cp)
+        reps = 96 // cx.shape[0]
+        cx, cp = cx.repeat(reps, 1), cp.repeat(reps)
+        sets["constructed"] = (cx, None, cp)
     sets["constructed_topk"] = (cx, torch.full((cx.shape[0],), 20, dtype=torch.int32), cp)
     if a.random:
         sets["random"] = randomized(a.random, a.vocab, a.seed)
@@ -146,19 +164,22 @@ def main(argv=None) -> int:
         sets["captured"] = (d["logits"].float(), d["k"].to(torch.int32), d["p"].float())
     out = {"vllm": vllm.__version__, "device": "cpu (Triton interpreter)" if device == "cpu" else
            torch.cuda.get_device_name(), "launch": "gpu blocks 8192/4096" if gpu_blocks else "cpu blocks 256/128",
-           "vocab": a.vocab}
+           "vocab": a.vocab, "api": a.api}
     which = ("unpatched", "patched") if a.which == "both" else (a.which,)
     for w in which:
         q = kernel_module(w == "patched")
-        out[w] = {name: compare(q, x, k, p, device, gpu_blocks) for name, (x, k, p) in sets.items()}
+        out[w] = {name: compare(q, x, k, p, device, gpu_blocks, a.api) for name, (x, k, p) in sets.items()}
     ok = True
     if "patched" in out:  # the random rows are information: the kernel's top-k/tie handling is not this fix's
-        ok &= all(r["rows_differ"] == 0 for name, r in out["patched"].items() if name != "random")
+        ok &= all(r["rows_differ"] == 0 for name, r in out["patched"].items() if name not in INFO)
     if "unpatched" in out:
         out["unpatched_reproduces"] = out["unpatched"]["constructed"]["rows_differ"] > 0
         ok &= out["unpatched_reproduces"]
     out["ok"] = ok
     print(json.dumps(out))
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=1)
     return 0 if ok else 1
 
 

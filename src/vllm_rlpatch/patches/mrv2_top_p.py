@@ -128,6 +128,8 @@ _LOAD_LOCK = threading.Lock()
 
 
 def _patched_module() -> types.ModuleType:
+    if _KERNELS:
+        return _KERNELS[0]
     with _LOAD_LOCK:
         if not _KERNELS:
             with open(kernel_source_path(), encoding="utf-8") as fh:
