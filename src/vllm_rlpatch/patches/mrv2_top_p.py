@@ -21,7 +21,8 @@ How:   the kernel module is rebuilt from the installed vLLM's own source with tw
        shapes: no extra work per decode step. The split-row pipeline (small batches, p-only rows) has a
        correct fallback already and is unchanged.
 Targets: vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p_triton (lazy: the module is imported by the
-       sampler) and the two edited spans of vllm/v1/sample/ops/topk_topp_triton.py (the probe reads them).
+       sampler) and the two edited spans of vllm/v1/sample/ops/topk_topp_triton.py (the probe reads them; where
+       vLLM has no Triton backend, a CPU host, the kernel is never used and the patch is ``not_needed``).
 Upstream: not reported upstream yet (write-up and diffs: docs/mrv2.md, upstream_patches/mrv2_top_p/).
 Remove when: upstream fixes the kernel; set ``fixed_in`` to that release.
 """
@@ -142,12 +143,15 @@ def _apply_wrapper(wrapped, instance, args, kwargs):
 
 
 def probe() -> bool:
-    """The installed kernel source holds the two buggy spans (read from the file: nothing imported)."""
+    """The installed kernel source holds the two buggy spans, and vLLM runs Triton here (without a Triton
+    backend, e.g. a CPU host, vLLM never imports the kernel and top-k/top-p runs its PyTorch implementation)."""
     path = kernel_source_path()
     if path is None or not os.path.exists(path):
         return False
     with open(path, encoding="utf-8") as fh:
-        return has_bug(fh.read())
+        if not has_bug(fh.read()):
+            return False
+    return bool(getattr(importlib.import_module("vllm.triton_utils.importing"), "HAS_TRITON", False))
 
 
 def _apply() -> None:
