@@ -12,7 +12,9 @@
 #        $OUT/mrv2_twin-unpatched-vllm0.32.0-<card>.json twin without engine_info, VLLM_RLPATCH_MRV2_TOP_P=0
 #        $OUT/mrv2_topp-captured-vllm0.32.0-<card>.json  the rows the unpatched twin found off (top-k/top-p
 #                                                        input rebuilt), unpatched vs patched kernel, on the GPU
-#        $OUT/mrv2_twin-vllm0.32.0-<card>.json           twin without engine_info, the patch on (the default)
+#        $OUT/mrv2_twin-vllm0.32.0-<card>.json           the patch on (the default), requests asking for
+#                                                        rlpatch_support: the twin without engine_info
+#                                                        (twin_matches) and with it (engine_info_matches)
 #        $OUT/mrv2_topp-cost-vllm0.32.0-<card>.json      apply_top_k_top_p_triton per call, off vs on
 #        $OUT/mrv2_topp-vllm0.32.0-<card>.log            this script's output; engine logs of failed steps
 # Each step has its own time limit (seconds: CHECK_S 150, KERNEL_S 90, TWIN_S 150 each, COST_S 90) so that the
@@ -94,9 +96,10 @@ else
     > "$OUT/mrv2_topp-captured-$TAG.json"
 fi
 
-# 5. the twin without engine_info, the patch on (default): target 14,400 / 14,400 within 1e-5
+# 5. the patch on (default), requests asking for rlpatch_support (MRv2's support hooks): the twin without
+#    engine_info and with it, each against vLLM's processed logprobs: target 14,400 / 14,400 within 1e-5
 step twin_patched "$OUT/mrv2_twin-$TAG.json" "${TWIN_S:-150}" \
-  "$PY" benchmarks/gpu/mrv2_twin.py "$OUT/mrv2_twin-$TAG.json" --keep /tmp/twin-on
+  "$PY" benchmarks/gpu/mrv2_twin.py "$OUT/mrv2_twin-$TAG.json" --keep /tmp/twin-on --engine-info
 [[ " ${fails[*]} " == *" twin_patched "* ]] && [ -f /tmp/twin-on/engine.log ] && \
   tail -c 2000000 /tmp/twin-on/engine.log > "$OUT/mrv2_twin-$TAG.engine.log"
 
