@@ -17,7 +17,7 @@
 #                                                        (twin_matches) and with it (engine_info_matches)
 #        $OUT/mrv2_topp-cost-vllm0.32.0-<card>.json      apply_top_k_top_p_triton per call, off vs on
 #        $OUT/mrv2_topp-vllm0.32.0-<card>.log            this script's output; engine logs of failed steps
-# Each step has its own time limit (seconds: CHECK_S 150, KERNEL_S 90, TWIN_S 150 each, COST_S 90) so that the
+# Each step has its own time limit (seconds: CHECK_S 120, KERNEL_S 60 each, TWIN_S 130 each, COST_S 60; 560 in all) so that the
 # whole run stays under ten minutes; a step that fails or times out leaves a JSON saying so and the next step
 # runs. Exit status: 0 when every step passed. SKIP_SETUP=1 uses PYTHON (default python3) as it is, without the
 # site (to try the script's flow where no chunks are).
@@ -67,19 +67,19 @@ cd "$ROOT"
 KP="PYTHONPATH=$ROOT/src:$ROOT/tests:${PYTHONPATH:-}"
 
 # 1. the MRv2 check (plugin in every process, fp32 head, processed logprobs, refit, stale KV)
-step mrv2_check "$OUT/mrv2-$TAG.json" "${CHECK_S:-150}" \
+step mrv2_check "$OUT/mrv2-$TAG.json" "${CHECK_S:-120}" \
   "$PY" benchmarks/gpu/mrv2_check.py "$OUT/mrv2-$TAG.json" --keep /tmp/mrv2-work
 [ -f /tmp/mrv2-work/engine.log ] && [[ " ${fails[*]} " == *" mrv2_check "* ]] && \
   tail -c 2000000 /tmp/mrv2-work/engine.log > "$OUT/mrv2-$TAG.engine.log"
 
 # 2. the kernel on the GPU through vLLM's own dispatch: unpatched reproduces, patched keeps the nominal set;
 #    512 random rows of a 131072 vocabulary against the sort reference (reported for both)
-step kernel "$OUT/mrv2_topp-kernel-$TAG.json" "${KERNEL_S:-90}" \
+step kernel "$OUT/mrv2_topp-kernel-$TAG.json" "${KERNEL_S:-60}" \
   env $KP "$PY" tests/scripts/mrv2_top_p_interp.py --api --random 512 --vocab 131072 \
   --out "$OUT/mrv2_topp-kernel-$TAG.json"
 
 # 3. the twin without engine_info, patch off: the 346 tokens again, and the rows behind them saved
-step twin_unpatched "$OUT/mrv2_twin-unpatched-$TAG.json" "${TWIN_S:-150}" \
+step twin_unpatched "$OUT/mrv2_twin-unpatched-$TAG.json" "${TWIN_S:-130}" \
   env VLLM_RLPATCH_MRV2_TOP_P=0 "$PY" benchmarks/gpu/mrv2_twin.py "$OUT/mrv2_twin-unpatched-$TAG.json" \
   --keep /tmp/twin-off --dump-rows /tmp/twin-off/rows.pt
 # (its failing twin_matches is the expected result: recorded, not counted as a failure of this run)
@@ -87,7 +87,7 @@ fails=("${fails[@]/twin_unpatched}")
 
 # 4. those captured rows, unpatched vs patched kernel, on the GPU
 if [ -f /tmp/twin-off/rows.pt ]; then
-  step captured "$OUT/mrv2_topp-captured-$TAG.json" "${KERNEL_S:-90}" \
+  step captured "$OUT/mrv2_topp-captured-$TAG.json" "${KERNEL_S:-60}" \
     env $KP "$PY" tests/scripts/mrv2_top_p_interp.py --api --rows /tmp/twin-off/rows.pt \
     --out "$OUT/mrv2_topp-captured-$TAG.json"
 else
@@ -98,13 +98,13 @@ fi
 
 # 5. the patch on (default), requests asking for rlpatch_support (MRv2's support hooks): the twin without
 #    engine_info and with it, each against vLLM's processed logprobs: target 14,400 / 14,400 within 1e-5
-step twin_patched "$OUT/mrv2_twin-$TAG.json" "${TWIN_S:-150}" \
+step twin_patched "$OUT/mrv2_twin-$TAG.json" "${TWIN_S:-130}" \
   "$PY" benchmarks/gpu/mrv2_twin.py "$OUT/mrv2_twin-$TAG.json" --keep /tmp/twin-on --engine-info
 [[ " ${fails[*]} " == *" twin_patched "* ]] && [ -f /tmp/twin-on/engine.log ] && \
   tail -c 2000000 /tmp/twin-on/engine.log > "$OUT/mrv2_twin-$TAG.engine.log"
 
 # 6. cost per decode step: apply_top_k_top_p_triton, vLLM's vs the patched module, batches 1-256, 131072 vocab
-step cost "$OUT/mrv2_topp-cost-$TAG.json" "${COST_S:-90}" \
+step cost "$OUT/mrv2_topp-cost-$TAG.json" "${COST_S:-60}" \
   env $KP "$PY" benchmarks/gpu/topp_cost.py "$OUT/mrv2_topp-cost-$TAG.json"
 
 local left=()

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--vocab", type=int, default=131072)
     ap.add_argument("--batches", default="1,8,64,256")
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=100)
     a = ap.parse_args(argv)
     try:
         batches = [int(b) for b in a.batches.split(",")]
