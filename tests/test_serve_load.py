@@ -22,7 +22,7 @@ import serve_rl_loop as L  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-ARGS = argparse.Namespace(clients=4, updates=2, duration=14.0, max_tokens=24, modes=list(L.MODES))
+ARGS = argparse.Namespace(clients=4, updates=2, duration=14.0, max_tokens=24, rounds=1, modes=list(L.MODES))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def test_updates_under_streaming_load(loop, mode):
     assert r["lost_or_failed"] == 0, r["failures"]
     assert r["dropped_or_doubled"] == 0 and r["spans_not_covering"] == 0, r
     assert r["tokens_checked"] >= r["tokens"] and r["wrong_version_tokens"] == 0, r
-    assert r["requests_spanning_versions"] >= 1, "an update must land while requests stream"
+    # an update landed while requests streamed: they go on under the new version, or end (abort)
+    assert r["requests_spanning_versions"] >= 1 or (mode == "abort" and r["aborted_by_update"] >= 1), r
     if mode == "keep":
         assert r["span_kinds"].get("sampled_on_older_kv", 0) > 0, r["span_kinds"]
     else:
