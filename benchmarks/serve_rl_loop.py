@@ -7,7 +7,7 @@ Starts ``python -m vllm.entrypoints.openai.api_server`` with the plugin (the emb
 bfloat16, max_model_len 256, 64 MiB of KV cache, enforce_eager) and a trainer process, warms up, then runs
 ``--rounds`` rounds of these phases of ``--duration`` seconds each on that one server:
 
-* ``baseline``: ``--clients`` concurrent streaming clients, alternating ``/v1/completions`` and
+* ``baseline``: ``--clients`` concurrent streaming clients (the first with 4 x ``--max-tokens``), alternating ``/v1/completions`` and
   ``/v1/chat/completions`` (``return_tokens_as_token_ids``, ``return_token_ids``, logprobs, a seed per request,
   T=0.9, ``ignore_eos``), one request after another, and no update;
 * one phase per in-flight mode (``recompute``, ``keep``, ``abort``): the same load while the trainer pushes
@@ -321,11 +321,13 @@ async def stream_one(session, url: str, kind: str, prompt: str, seed: int, max_t
 
 async def client_loop(session, url: str, idx: int, stop: asyncio.Event, max_tokens: int, seeds,
                       out: list) -> None:
+    """One client's requests, one after another; client 0 runs long ones (4 x ``max_tokens``, at most 200): a
+    long rollout among short ones, running when most updates land."""
     i = 0
+    n = min(200, 4 * max_tokens) if idx == 0 else max_tokens
     while not stop.is_set():
         kind = "completions" if (idx + i) % 2 == 0 else "chat"
-        out.append(await stream_one(session, url, kind, PROMPTS[(idx * 3 + i) % len(PROMPTS)], next(seeds),
-                                    max_tokens))
+        out.append(await stream_one(session, url, kind, PROMPTS[(idx * 3 + i) % len(PROMPTS)], next(seeds), n))
         i += 1
 
 
@@ -541,8 +543,11 @@ def summarize_phase(phase: dict, refs: References, step: float | None) -> dict:
         "server_itl_per_round": phase["server_itl"],
         "largest_gaps_s_and_from_push_s": [[round(g, 3), t] for g, t in sorted(
             gaps(phase, where=True), key=lambda x: x[0])[-5:]],
-        "pushes": [{k: p.get(k) for k in ("ok", "version", "seconds", "aborted", "recomputed")} for p in
-                   phase["pushes"]],
+        "pushes": [{**{k: p.get(k) for k in ("ok", "version", "seconds", "aborted", "recomputed")},
+                    # the client's view: its streams open over the whole push, and those with a token during it
+                    "streams_open_across": sum(r["t_start"] < p["t_start"] and r["t_end"] > p["t_end"] for r in reqs),
+                    "streams_with_a_token_during": sum(any(p["t_start"] <= t <= p["t_end"] for t in r["times"])
+                                                       for r in reqs)} for p in phase["pushes"]],
     }
     alts = [a for c in checks for a in c["alt_spans"]]
     out["wrong_label_check"] = {  # the same spans labelled with another version: what the check flags
@@ -657,7 +662,7 @@ def parse_args(argv=None):
            "--updates must be >= 1" if args.updates < 1 else
            "--rounds must be 1..--updates" if not 1 <= args.rounds <= args.updates else
            "--duration must be > 0" if not args.duration > 0 else
-           "--max-tokens must be 2..160" if not 2 <= args.max_tokens <= 160 else None)
+           "--max-tokens must be 2..200" if not 2 <= args.max_tokens <= 200 else None)
     if why:
         print(f"serve_rl_loop: {why}", file=sys.stderr)
         sys.exit(2)

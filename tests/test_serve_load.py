@@ -9,6 +9,7 @@ cancelled as a push starts leaking no request. The timing figures are the benchm
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -22,22 +23,25 @@ import serve_rl_loop as L  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-ARGS = argparse.Namespace(clients=4, updates=2, duration=14.0, max_tokens=24, rounds=1, modes=list(L.MODES))
+ARGS = argparse.Namespace(clients=4, updates=2, duration=10.0, max_tokens=24, rounds=1, modes=list(L.MODES))
 
 
 @pytest.fixture(scope="module")
 def loop(version):
     skip_unless_newest(version, "the HTTP RL loop under streaming load")
     with tempfile.TemporaryDirectory(prefix="serve_load-") as d:
-        return asyncio.run(L.run_all(ARGS, Path(d)))
+        out = asyncio.run(L.run_all(ARGS, Path(d)))
+    print(json.dumps(out))  # (shown with a failure)
+    return out
 
 
 def test_the_baseline_loses_nothing_and_its_tokens_match_the_starting_weights(loop):
     b = loop["baseline"]
     assert b["requests"] >= ARGS.clients and b["finished"] == b["requests"], b
     assert b["lost_or_failed"] == 0 and b["dropped_or_doubled"] == 0 and b["spans_not_covering"] == 0, b
-    assert b["tokens_checked"] == b["tokens"] and b["wrong_version_tokens"] == 0, b
-    assert b["span_kinds"] == {"same": b["tokens"]}, b
+    # (checked: the clients' tokens and those of the streams the canceller closed)
+    assert b["tokens_checked"] >= b["tokens"] and b["wrong_version_tokens"] == 0, b
+    assert list(b["span_kinds"]) == ["same"], b
     assert not b["queue_after"]["leaked"], b
 
 
@@ -48,6 +52,8 @@ def test_updates_under_streaming_load(loop, mode):
     assert r["lost_or_failed"] == 0, r["failures"]
     assert r["dropped_or_doubled"] == 0 and r["spans_not_covering"] == 0, r
     assert r["tokens_checked"] >= r["tokens"] and r["wrong_version_tokens"] == 0, r
+    # the check can fail: the same spans labelled with another version are mostly flagged
+    assert r["wrong_label_check"]["tokens_flagged"] >= 0.5 * r["wrong_label_check"]["tokens"], r
     # an update landed while requests streamed: they go on under the new version, or end (abort)
     assert r["requests_spanning_versions"] >= 1 or (mode == "abort" and r["aborted_by_update"] >= 1), r
     if mode == "keep":
