@@ -36,6 +36,7 @@ COST = {
     "tests/test_parity.py": 310,
     "tests/test_inflight.py": 230,
     "tests/test_serve.py": 200,
+    "tests/test_serve_load.py": 150,  # one server, 4 streaming clients, 6 pushes; newest CI version only
     "tests/test_upstream_behaviour.py": 170,
     "tests/test_rl_correctness.py": 130,
     "tests/test_sampling_support.py": 55,
