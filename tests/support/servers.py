@@ -3,6 +3,7 @@ whole process group. `vllm serve` itself runs from tests/scripts/vllm_serve.py (
 wheels dies at start; `python -m vllm.entrypoints.openai.api_server` ignores --api-server-count)."""
 
 import contextlib
+import http.client
 import json
 import os
 import socket
@@ -77,9 +78,17 @@ def call(conn, method: str, path: str, body=None, token: str | None = None, raw:
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     if token is not None:
         hdrs["Authorization"] = f"Bearer {token}"
-    conn.request(method, path, body=data, headers=hdrs)
-    resp = conn.getresponse()
-    text = resp.read().decode("utf-8", "replace")
+    for attempt in (1, 2):
+        try:
+            conn.request(method, path, body=data, headers=hdrs)
+            resp = conn.getresponse()
+            text = resp.read().decode("utf-8", "replace")
+            break
+        except (OSError, http.client.HTTPException):
+            # the server answered early and closed (a refusal before the body was read): a new connection
+            conn.close()
+            if attempt == 2:
+                raise
     try:
         return resp.status, json.loads(text)
     except ValueError:

@@ -29,6 +29,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -203,13 +204,57 @@ def _read_routes(router, deny, Request) -> None:
 def _bad_request(request, req: Any, JSONResponse):
     if not isinstance(req, dict):
         return JSONResponse({"error": "the refit request is not a JSON object"}, status_code=400)
-    why = transports.http_refusal(req.get("transport") or {},
-                                  is_loopback(request.client.host if request.client else None))
-    if why is not None:
-        return JSONResponse({"error": why}, status_code=400)
     for key in ("txid", "tensors"):
         if key not in req:
             return JSONResponse({"error": f"the refit request has no {key!r}"}, status_code=400)
+    why = _wire_refusal(req)
+    if why is None:
+        why = transports.http_refusal(req.get("transport") or {},
+                                      is_loopback(request.client.host if request.client else None))
+    if why is not None:
+        return JSONResponse({"error": why}, status_code=400)
+    return None
+
+
+def _is(v: Any, *types: type) -> bool:
+    return isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+
+
+# a refit request's keys as JSON types (RefitRequest.from_wire's fields; null allowed where the worker has a default)
+_WIRE_TYPES: dict[str, tuple[type, ...]] = {
+    "txid": (str,), "mode": (str, type(None)), "guarantee": (str, type(None)), "inflight": (str, type(None)),
+    "backup": (str, type(None)), "template": (str, type(None)), "tensors": (list, type(None)),
+    "transport": (dict, type(None)), "fingerprints": (list, type(None)), "nonfinite": (list, type(None)),
+    "deadline": (int, float, type(None)), "partial": (bool,), "allow_cast": (bool,), "verify": (bool,),
+    "session": (bool,)}
+# one tensor's record (TensorMeta.from_dict)
+_META_TYPES: dict[str, tuple[type, ...]] = {"name": (str,), "dtype": (str,), "shape": (list,), "nbytes": (int,),
+                                            "segment": (int,), "offset": (int,), "fingerprint": (str, type(None)),
+                                            "nonfinite": (int, type(None))}
+
+
+def _wire_refusal(req: dict[str, Any]) -> str | None:
+    """What makes a refit request that came as JSON unreadable for the workers (None: nothing): a key of the wrong
+    type, a number out of range, a tensor record that is not one. The workers check what the values mean."""
+    for key, types in _WIRE_TYPES.items():
+        if key in req and not _is(req[key], *types):
+            return f"the refit request's {key!r} is not {' or '.join(t.__name__ for t in types)}"
+    for key in ("version", "workers"):
+        if req.get(key) is not None and not _int_in(req[key], 0 if key == "version" else 1):
+            return f"the refit request's {key!r} is not an int >= {0 if key == 'version' else 1} (or null)"
+    if req.get("inflight") is not None and req["inflight"] not in envs.INFLIGHT_MODES:
+        return f"the refit request's 'inflight' is not one of {', '.join(envs.INFLIGHT_MODES)}"
+    if req.get("deadline") is not None and not math.isfinite(req["deadline"]):
+        return "the refit request's 'deadline' is not a finite time"
+    for i, meta in enumerate(req.get("tensors") or ()):
+        if not isinstance(meta, dict) or not all(k in meta for k in ("name", "dtype", "shape", "nbytes")):
+            return f"the refit request's tensors[{i}] is not an object with name, dtype, shape, nbytes"
+        for key, types in _META_TYPES.items():
+            if key in meta and not _is(meta[key], *types):
+                return f"the refit request's tensors[{i}].{key} is not {' or '.join(t.__name__ for t in types)}"
+        if not all(_int_in(x, 0) for x in meta["shape"]) or not all(
+                _int_in(meta.get(k, 0), 0) for k in ("nbytes", "segment", "offset")):
+            return f"the refit request's tensors[{i}] has a size, offset or dimension out of range"
     return None
 
 
