@@ -314,14 +314,29 @@ def _phase_refusal(phase: str, args: dict[str, Any]) -> str | None:
             return "refit/commit: 'keep' is true or false"
     if phase == "align_version" and not _int_in(args["version"], 0):
         return "refit/align_version: 'version' is a weight version (an int >= 0)"
-    if phase == "release" and args.get("version") is not None and not _int_in(args.get("version"), 0):
-        return "refit/release: 'version' is a weight version (an int >= 0) or null"
+    if phase == "release" and not _int_in(args["version"], 0):
+        return "refit/release: 'version' is the committed weight version (an int >= 0)"
+    return None
+
+
+async def _release_refusal(engine, version: int, JSONResponse):
+    """A release makes the front end take the update (and clear a mixed state): only when every worker holds
+    the released version, unmixed (a kept commit of it), never on a stray call (409)."""
+    try:
+        state = await run_async(coordinate_phase(engine, "weight_state", {}), _rpc(engine))
+    except Exception as e:  # noqa: BLE001 - an RPC raised: the client's error, one line
+        err = rpc_error_to_refit(e, "refit release")
+        return JSONResponse({"error": (str(err).splitlines() or [""])[0], "kind": err.kind}, status_code=500)
+    held = [(w.get("version"), w.get("mixed")) for w in state.get("workers") or ()]
+    if not held or any(v != version or m is not None for v, m in held):
+        return JSONResponse({"error": f"refit/release: version {version} is not what the workers hold (version, "
+                                      f"mixed per worker: {held}); nothing to release"}, status_code=409)
     return None
 
 
 # the phases of a fleet update (vllm_rlpatch.refit.fleet), one call each, and what each one's body holds
-_PHASE_BODIES = {"prepare": {"req": dict}, "commit": {"req": dict, "n": int}, "release": {"txid": str},
-                 "abort": {"txid": str}, "align_version": {"version": int}}
+_PHASE_BODIES = {"prepare": {"req": dict}, "commit": {"req": dict, "n": int},
+                 "release": {"txid": str, "version": int}, "abort": {"txid": str}, "align_version": {"version": int}}
 
 
 async def _run_phase(request, phase: str, args: dict[str, Any], JSONResponse):
@@ -368,6 +383,9 @@ def _phase_routes(router, deny, Request, JSONResponse) -> None:
             return d
         if (why := _phase_refusal(phase, args)) is not None:
             return JSONResponse({"error": why}, status_code=400)
+        if phase == "release" and (
+                d := await _release_refusal(_engine(request), args["version"], JSONResponse)) is not None:
+            return d
         return await _run_phase(request, phase, args, JSONResponse)
 
 
