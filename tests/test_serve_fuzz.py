@@ -25,6 +25,8 @@ from hypothesis import strategies as st  # noqa: E402
 from support import reference as R  # noqa: E402
 from support.env import model_path, skip_unless_newest, vllm_version  # noqa: E402
 from support.servers import call, non_loopback_ip, vllm_serve  # noqa: E402
+from vllm_rlpatch.refit import RefitError, push_weights  # noqa: E402
+from vllm_rlpatch.refit.http import HttpTarget  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -205,21 +207,17 @@ def test_post_routes_answer_bad_input_with_one_clear_4xx(conns, before, route):
 
 
 # ------------------------------------------------------------------------------------------ sequences
-class _Interposed:
-    """A fleet of this one server whose commit phase is replaced: after the real prepare, the drawn malformed
+class _Interposed(HttpTarget):
+    """This server as a fleet's engine, its commit phase replaced: after the real prepare, the drawn malformed
     commits go in (each must be refused), then the phase fails, so the fleet aborts the prepared update."""
 
-    def __init__(self, target, commits):
-        self.target, self.commits, self.txid, self.seen = target, commits, None, []
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
+    def __init__(self, url, commits):
+        super().__init__(url, token=TOKEN)
+        self.commits, self.txid, self.seen = commits, None, []
 
     def phase(self, phase, args, timeout_s=None):
         if phase != "commit":
-            return self.target.phase(phase, args, timeout_s)
-        from vllm_rlpatch.refit import RefitError
-
+            return super().phase(phase, args, timeout_s)
         self.txid = args["req"]["txid"]
         for body in self.commits:
             self.seen.append(call(_CONN[0], "POST", P + "/refit/commit", raw=body(args),
@@ -230,15 +228,24 @@ class _Interposed:
 _CONN: list = []
 
 
+INFLIGHT = ("recompute", "abort", "keep", "refuse")
+
+
+def _int_ok(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63
+
+
 def _malformed_commit():
     bad_req = st.fixed_dictionaries({"txid": st.text(max_size=8) | JSON}, optional={"version": JSON,
                                                                                      "inflight": JSON})
     return st.one_of(
         st.builds(lambda r: lambda a: _dumps({"req": r, "n": 1}), bad_req),  # another txid, bad fields
-        st.builds(lambda n: lambda a: _dumps({"req": a["req"], "n": n}), JSON.filter(lambda v: v != 1)),
-        st.builds(lambda v: lambda a: _dumps({"req": {**a["req"], "version": v}, "n": 1}), JSON),
+        st.builds(lambda n: lambda a: _dumps({"req": a["req"], "n": n}), JSON.filter(lambda v: not (_int_ok(v) and v >= 1))),
+        # (null, a version >= 0 and a known inflight mode are valid: such a commit would commit)
+        st.builds(lambda v: lambda a: _dumps({"req": {**a["req"], "version": v}, "n": 1}),
+                  JSON.filter(lambda v: v is not None and not _int_ok(v))),
         st.builds(lambda k: lambda a: _dumps({"req": {**a["req"], "inflight": k}, "n": 1}),
-                  st.text(max_size=8) | JSON),
+                  (st.text(max_size=8) | JSON).filter(lambda k: k is not None and k not in INFLIGHT)),
         st.builds(lambda b: lambda a: b, bodies().map(lambda kb: kb[1])))
 
 
@@ -246,9 +253,6 @@ def test_sequences_prepare_then_malformed_commits_then_abort(server, conns, befo
     """A real prepare (the fleet path with shm), then malformed commits (each refused, the weights unchanged),
     then the fleet aborts it; a commit of the aborted update and of never-prepared ones is refused too."""
     from safetensors.torch import load_file
-
-    from vllm_rlpatch.refit import RefitError, push_weights
-    from vllm_rlpatch.refit.http import HttpTarget
 
     port, _ = server
     _CONN[:] = [conns["lo"]]
@@ -260,10 +264,10 @@ def test_sequences_prepare_then_malformed_commits_then_abort(server, conns, befo
               suppress_health_check=list(HealthCheck))
     @given(commits=st.lists(_malformed_commit(), min_size=40, max_size=45))
     def run(commits):
-        t = _Interposed(HttpTarget(f"http://127.0.0.1:{port}", token=TOKEN), commits)
-        with pytest.raises(RefitError):
+        t = _Interposed(f"http://127.0.0.1:{port}", commits)
+        with pytest.raises(RefitError) as e:
             push_weights([t], sd, transport="shm")
-        assert t.txid is not None
+        assert t.txid is not None, e.value
         for status, resp in t.seen:
             _record(route, status)
             assert _clear_error(status, resp), (status, resp)
