@@ -240,7 +240,8 @@ def _malformed_commit():
                                                                                      "inflight": JSON})
     return st.one_of(
         st.builds(lambda r: lambda a: _dumps({"req": r, "n": 1}), bad_req),  # another txid, bad fields
-        st.builds(lambda n: lambda a: _dumps({"req": a["req"], "n": n}), JSON.filter(lambda v: not (_int_ok(v) and v >= 1))),
+        st.builds(lambda n: lambda a: _dumps({"req": a["req"], "n": n}),
+                  JSON.filter(lambda v: not (_int_ok(v) and v >= 1))),
         # (null, a version >= 0 and a known inflight mode are valid: such a commit would commit)
         st.builds(lambda v: lambda a: _dumps({"req": {**a["req"], "version": v}, "n": 1}),
                   JSON.filter(lambda v: v is not None and not _int_ok(v))),
