@@ -3,7 +3,7 @@
 Routes (JSON only, never pickle; every one needs ``Authorization: Bearer <token>``, and by default the
 client must be on loopback, see ``VLLM_RLPATCH_HTTP_REMOTE``):
 
-    GET  /rlpatch/v1/weight_version   {"version": N}
+    GET  /rlpatch/v1/weight_version   {"version": N, "workers": [...], "api_server": pid of the answering process}
     GET  /rlpatch/v1/describe         per-worker schema (names, shapes, dtypes), device, rank
     GET  /rlpatch/v1/fingerprint      per-worker fingerprint of every parameter and buffer
     POST /rlpatch/v1/refit            body: the refit request (metadata + transport spec); returns the outcome
@@ -21,8 +21,10 @@ raised: HTTP 500, ``{"error", "kind"}``):
 
 The token is ``VLLM_RLPATCH_HTTP_TOKEN`` if set; otherwise the server generates one and writes it to
 ``~/.cache/vllm-rlpatch/http-token-<port>`` (mode 0600), where a client on the same host finds it.
-Completion and chat-completion responses carry ``rlpatch_weight_versions`` on every choice (spans
-``[start, end, version, kv_version]`` over its output tokens; not in streamed chunks).
+With ``--api-server-count`` > 1 the API server processes share that token (the first writes it). With
+data-parallel engines every route asks each engine core (vLLM's ``collective_rpc`` answers with the first
+engine's only). A refused update or a malformed phase body answers 400 / 409 (the outcome plus a one-line
+``error``), which :class:`HttpTarget` reads like a 200 outcome.
 """
 
 import asyncio
