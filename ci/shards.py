@@ -37,6 +37,8 @@ COST = {
     "tests/test_inflight.py": 230,
     "tests/test_serve.py": 200,
     "tests/test_serve_load.py": 150,  # one server, 4 streaming clients, 6 pushes; newest CI version only
+    "tests/test_serve_scale.py": 100,  # --api-server-count 2 --data-parallel-size 2; newest CI version only
+    "tests/test_serve_fuzz.py": 80,  # one server, ~7000 fuzzed requests; newest CI version only
     "tests/test_upstream_behaviour.py": 170,
     "tests/test_rl_correctness.py": 130,
     "tests/test_sampling_support.py": 55,
