@@ -58,6 +58,7 @@ COST = {
     "tests/test_trainer.py": 50,  # the MRv2 interpreter check: ~20 s on 0.32.0
     "tests/test_mrv2_top_p.py": 20,  # Triton interpreter, 0.32.0 only: 16 s on a loaded 2-core box
     "tests/test_install.py": 40,
+    "tests/test_integrations_trl.py": 200,  # TRL GRPOTrainer + a fresh engine, 0.25.1 only; +~65 s cold env build
 }
 
 
