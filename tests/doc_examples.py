@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 ANY_PYTHON_FENCE = re.compile(r"^```(?:python|py)\b", re.M)
-MARK = re.compile(r"<!--\s*example:\s*(skip|setup)\b(.*?)-->\s*\Z", re.S)
+MARK = re.compile(r"<!--\s*example:\s*(skip|setup)\b((?:(?!-->).)*)-->\s*\Z", re.S)  # the comment right before
 
 
 @dataclass

@@ -42,9 +42,13 @@ def test_the_readme_quick_start_is_run():
 @pytest.mark.quick
 def test_a_failing_example_fails(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text('```python\nx = 1\n```\n\n<!-- example: skip not runnable here, for the test -->\n'
-                    '```python\nraise SystemExit(3)\n```\n\n```python\nassert x == 2, "planted"\n```\n')
-    res = doc_examples.run_examples(doc_examples.collect(page, root=tmp_path))
+    page.write_text('<!-- example: setup\nx = 1\n-->\n```python\ny = x\n```\n\n'
+                    '<!-- example: skip not runnable here, for the test -->\n```python\nraise SystemExit(3)\n```\n\n'
+                    '```python\nassert y == 2, "planted"\n```\n')
+    examples = doc_examples.collect(page, root=tmp_path)
+    assert [(e.setup, e.skip) for e in examples] == [("x = 1\n", None), ("", "not runnable here, for the test"),
+                                                     ("", None)]
+    res = doc_examples.run_examples(examples)
     assert [r["status"] for r in res] == ["passed", "skipped", "failed"] and "planted" in res[2]["error"]
 
 

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _I = re.I
 PATTERNS: dict[str, re.Pattern] = {
-    "a work session": re.compile(r"\bsessions?\b", _I),  # `refit_session` is one word: not matched
+    "a work session": re.compile(r"(?<!`)\bsessions?\b", _I),  # `refit_session`, the module `session`: not matched
     "a helper": re.compile(r"\bhelpers?\b", _I),
-    "a lent machine": re.compile(r"\blent\b|\bleased? (?:GPU|machine|host)", _I),
+    "a lent machine": re.compile(r"\blent\b", _I),
     "files moved to a machine": re.compile(
         r"\b(?:carr(?:y|ied|ies)|mov(?:e|ed|es|ing)|cop(?:y|ied|ies)|ship(?:ped)?)\b[^.\n]{0,30}?"
         r"\b(?:to|onto) (?:a|the|another|each) (?:\w+ )?(?:machine|box)\b", _I),
