@@ -54,6 +54,9 @@ COST = {
     "tests/test_cpu_amx.py": 20,
     "tests/test_trainer.py": 50,  # the MRv2 interpreter check: ~20 s on 0.32.0
     "tests/test_install.py": 40,
+    "tests/test_doc_examples.py": 95,  # README + docs examples, 4 engines in one process; newest CI version only
+    "tests/test_docs.py": 2,
+    "tests/test_wording.py": 2,
 }
 
 
