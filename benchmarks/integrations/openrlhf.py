@@ -344,6 +344,31 @@ def row(per_model: list[dict], vllm_version: str, release: str) -> dict:
     }
 
 
+def summary(per_model: list[dict]) -> dict:
+    """Per model and plugin mode (``off``, ``on``, ``adapter``): what the integrations table shows."""
+    out = {}
+    for m in per_model:
+        for mode, r in m["runs"].items():
+            mm = r["mismatch"].get("result") or {}
+            out[f"{m['model']}/{mode}"] = {
+                "sync_correct": m["checks"][mode]["equal"],
+                "sync_s_median": med(r) if mode != "adapter" else med(m["runs"]["on"]),
+                "adapter_s_median": med(r) if mode == "adapter" else None,
+                "token_mult_prob_error": mm.get("token_mult_prob_error"),
+                "sync_error": r["sync"].get("error")}
+    return out
+
+
+def document(per_model: list[dict], ver: str, release: str, seconds: float) -> dict:
+    amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+    return {"benchmark": "integrations/openrlhf", "framework": "OpenRLHF", "release": release, "vllm": ver,
+            "real_code": False, "row": row(per_model, ver, release), "summary": summary(per_model),
+            "models": per_model,
+            "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "amx": amx,
+                     "note": "CPU timings; the host may have been shared with other work"},
+            "seconds": seconds}
+
+
 def driver(out: Path, models: list[str]) -> Path:
     from importlib import metadata
 
@@ -356,12 +381,7 @@ def driver(out: Path, models: list[str]) -> Path:
     log.write_text("")
     t0 = time.time()
     per_model = [one_model(m, work, log) for m in models]
-    amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
-    doc = {"benchmark": "integrations/openrlhf", "row": row(per_model, ver, metadata.version("openrlhf")),
-           "models": per_model,
-           "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "amx": amx,
-                    "note": "CPU timings; the host may have been shared with other work"},
-           "seconds": time.time() - t0}
+    doc = document(per_model, ver, metadata.version("openrlhf"), time.time() - t0)
     dest = out / f"openrlhf-vllm{ver}-cpu.json"
     dest.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return dest
@@ -377,7 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--dirs", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
+    ap.add_argument("--rerow", help=argparse.SUPPRESS)  # recompute a result file's row and summary
     a = ap.parse_args(argv)
+    if a.rerow:
+        d = json.loads(Path(a.rerow).read_text())
+        Path(a.rerow).write_text(json.dumps(document(d["models"], d["row"]["vllm"], d["row"]["release"],
+                                                     d["seconds"]), indent=1, default=str) + "\n")
+        return 0
     if a.phase is None:
         if not a.out:
             print("openrlhf.py: --out DIR is required", file=sys.stderr)
