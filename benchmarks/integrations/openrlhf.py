@@ -150,11 +150,14 @@ def free_port() -> int:
 
 
 def own_code(llm) -> dict:
-    """OpenRLHF's WorkerWrap methods as its engine actor calls them (vllm_engine.py 107-119)."""
+    """OpenRLHF's WorkerWrap methods as its engine actor calls them (vllm_engine.py 107-119). The engine is
+    rank 1 of the update group (``rank_offset`` 1, ppo_actor.py line 133); rank 0, the trainer, hosts the group's
+    store and cannot start on CPU (it calls ``torch.cuda.current_device()``, ppo_actor.py line 148), so the
+    group's creation fails; ``update_weight`` is then called as OpenRLHF calls it."""
     import torch
 
     init = attempt(lambda: llm.collective_rpc("init_process_group",
-                                              args=("127.0.0.1", free_port(), 0, 2, "openrlhf", "nccl", False)))
+                                              args=("127.0.0.1", free_port(), 1, 2, "openrlhf", "nccl", False)))
     upd = attempt(lambda: llm.collective_rpc("update_weight",
                                              args=("model.norm.weight", torch.bfloat16, (8,), False)))
     return {"init_process_group": init, "update_weight": upd}
@@ -193,14 +196,16 @@ def timed(fn, n: int = REPEAT) -> list[float]:
     return out
 
 
-def phase_engine(model: str, ext: str, work: Path) -> dict:
-    """One engine (OpenRLHF's WorkerWrap, or the adapter): OpenRLHF's own calls, then the replayed sync."""
+def phase_engine(model: str, ext: str, work: Path, own: bool = False) -> dict:
+    """One engine (OpenRLHF's WorkerWrap, or the adapter): OpenRLHF's own calls (``own``: the group's creation
+    waits for the trainer's store until vLLM's store timeout, up to 10 minutes on CPU), then the replayed sync."""
     from vllm_rlpatch.refit import weight_version
 
     llm = engine(model, ext)
     vocab = llm.llm_engine.model_config.hf_config.vocab_size
     prompts = probes(vocab)
-    res: dict = {"worker_extension_cls": ext, "own_code": own_code(llm), "probe_start": greedy(llm, prompts)}
+    res: dict = {"worker_extension_cls": ext, "own_code": own_code(llm) if own else None,
+                 "probe_start": greedy(llm, prompts)}
     m = trainer_model(model, 1)
     tensors = named(m)
     greedy(llm, prompts)  # the probes' KV, computed with the start weights, in the prefix cache
@@ -290,7 +295,7 @@ def equal(a: dict, b: dict) -> dict:
             "equal": a["tokens"] == b["tokens"] and diff <= 1e-6}
 
 
-def one_model(model: str, work: Path, log: Path) -> dict:
+def one_model(model: str, work: Path, log: Path, own: bool = False) -> dict:
     from vllm_rlpatch.models import path
 
     mdir = path(model)
@@ -300,7 +305,9 @@ def one_model(model: str, work: Path, log: Path) -> dict:
     runs = {}
     for name, ext, env in (("on", THEIRS, base), ("adapter", ADAPTER, base),
                            ("off", THEIRS, {**base, "VLLM_RLPATCH_ENABLED": "0"})):
-        runs[name] = sub(["--phase", "engine", "--model", mdir, "--ext", ext, "--work", str(w / name)], env, log)
+        flag = ["--own-code"] if own and name == "on" else []
+        runs[name] = sub(["--phase", "engine", "--model", mdir, "--ext", ext, "--work", str(w / name), *flag], env,
+                         log)
     fresh = sub(["--phase", "fresh", "--dirs", runs["on"]["weights"]], base, log)
     ref = fresh[runs["on"]["weights"]]  # the same seeded weights in every run
     checks = {}
@@ -323,7 +330,7 @@ def row(per_model: list[dict], vllm_version: str, release: str) -> dict:
     ad = {m["model"]: med(m["runs"]["adapter"]) for m in per_model}
     mm = {k: {m["model"]: (m["runs"][k]["mismatch"].get("result") or {}).get("token_mult_prob_error")
               for m in per_model} for k in ("off", "on", "adapter")}
-    own = per_model[0]["runs"]["on"]["own_code"]
+    own = per_model[0]["runs"]["on"]["own_code"] or {}
     return {
         "framework": "OpenRLHF", "release": release, "vllm": vllm_version, "vllm_pinned": "0.29.0",
         "code": "replay",
@@ -369,7 +376,7 @@ def document(per_model: list[dict], ver: str, release: str, seconds: float) -> d
             "seconds": seconds}
 
 
-def driver(out: Path, models: list[str]) -> Path:
+def driver(out: Path, models: list[str], own: bool = False) -> Path:
     from importlib import metadata
 
     import vllm
@@ -380,7 +387,7 @@ def driver(out: Path, models: list[str]) -> Path:
     log = work / "openrlhf.log"  # the processes' output (vLLM logs); named in the error if one fails
     log.write_text("")
     t0 = time.time()
-    per_model = [one_model(m, work, log) for m in models]
+    per_model = [one_model(m, work, log, own) for m in models]
     doc = document(per_model, ver, metadata.version("openrlhf"), time.time() - t0)
     dest = out / f"openrlhf-vllm{ver}-cpu.json"
     dest.write_text(json.dumps(doc, indent=1, default=str) + "\n")
@@ -397,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--dirs", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
+    ap.add_argument("--own-code", action="store_true",
+                    help="also call OpenRLHF's init_process_group/update_weight on the engine (they fail on CPU; "
+                         "the group's creation waits up to vLLM's store timeout first)")
     ap.add_argument("--rerow", help=argparse.SUPPRESS)  # recompute a result file's row and summary
     a = ap.parse_args(argv)
     if a.rerow:
@@ -413,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         if not models or unknown:
             print(f"openrlhf.py: --models: expected qwen2-tiny and/or llama-tiny, got {a.models!r}", file=sys.stderr)
             return 2
-        print(driver(Path(a.out), models))
+        print(driver(Path(a.out), models, a.own_code))
         return 0
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if a.phase == "fresh":
@@ -421,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         work = Path(a.work)
         work.mkdir(parents=True, exist_ok=True)
-        res = phase_engine(a.model, a.ext, work)
+        res = phase_engine(a.model, a.ext, work, a.own_code)
     Path(a.json).write_text(json.dumps(res, default=str))
     return 0
 
