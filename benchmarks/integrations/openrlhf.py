@@ -199,6 +199,8 @@ def timed(fn, n: int = REPEAT) -> list[float]:
 def phase_engine(model: str, ext: str, work: Path, own: bool = False) -> dict:
     """One engine (OpenRLHF's WorkerWrap, or the adapter): OpenRLHF's own calls (``own``: the group's creation
     waits for the trainer's store until vLLM's store timeout, up to 10 minutes on CPU), then the replayed sync."""
+    from transformers import AutoTokenizer
+
     from vllm_rlpatch.refit import weight_version
 
     llm = engine(model, ext)
@@ -221,6 +223,7 @@ def phase_engine(model: str, ext: str, work: Path, own: bool = False) -> dict:
     res["mismatch"] = attempt(lambda: mismatch(llm, m, vocab))
     where = work / f"w-{'adapter' if ext == ADAPTER else 'theirs'}"
     m.save_pretrained(str(where))
+    AutoTokenizer.from_pretrained(model).save_pretrained(str(where))
     res["weights"] = str(where)
     if first["ok"]:
         res["sync_seconds"] = [res["sync_first_seconds"]] + timed(lambda: sync(llm, tensors))
