@@ -12,7 +12,8 @@ Two parts:
 
       VLLM_RLPATCH_INTEGRATIONS=1 PYTHONPATH=src:tests python -m pytest tests/test_integrations_openrlhf.py -q
 
-  An engine built with the adapter as its ``worker_extension_cls`` (vLLM imports it) takes OpenRLHF's sync sequence (``broadcast_to_vllm``: the prefix-cache
+  An engine built with the adapter as its ``worker_extension_cls`` (vLLM imports it) takes OpenRLHF's sync
+  sequence (``broadcast_to_vllm``: the prefix-cache
   reset, then one ``update_weight`` per parameter, the last one marked) with the broadcast replayed (no process
   group can be built on CPU); the engine must then equal a fresh engine loaded from the trainer's weights (greedy
   tokens and logprobs on two long prompts whose KV was computed with the old weights), count one weight version
