@@ -59,6 +59,7 @@ COST = {
     "tests/test_mrv2_top_p.py": 20,  # Triton interpreter, 0.32.0 only: 16 s on a loaded 2-core box
     "tests/test_install.py": 40,
     "tests/test_integrations_trl.py": 200,  # TRL GRPOTrainer + a fresh engine, 0.25.1 only; +~65 s cold env build
+    "tests/test_integrations_openrlhf.py": 5,  # version refusal; engine run (44 s) only with VLLM_RLPATCH_INTEGRATIONS=1
     "tests/test_doc_examples.py": 95,  # README + docs examples, 4 engines in one process; newest CI version only
     "tests/test_docs.py": 2,
     "tests/test_wording.py": 2,
