@@ -1,0 +1,320 @@
+"""verl's own weight sync against real vLLM, plugin off and on, and with ``vllm_rlpatch.integrations.verl``.
+
+    python benchmarks/integrations/verl.py --out benchmarks/results/integrations/ [--models llama-tiny,qwen2-tiny]
+        [--modes off,on] [--repeats 3]
+
+Needs verl installed next to vLLM (``ci/envs/integrations/verl.txt``). Real code, imported from the installed
+verl: the trainer side ``ServerAdapter.update_weights`` (``verl/workers/rollout/vllm_rollout/vllm_rollout.py``
+line 210 in 0.9.1), its ``BucketedWeightSender`` (shared memory: verl's path where CUDA IPC is missing), and the
+vLLM side ``vLLMColocateWorkerExtension.update_weights_from_ipc`` (``vllm_rollout/utils.py`` line 243) running
+in vLLM's worker as its ``worker_extension_cls``, which calls ``model.load_weights`` per bucket (line 405) and
+``process_weights_after_loading`` once. The one piece not verl's: its Ray actor hop. ``ServerAdapter``'s
+server handle (a Ray handle to verl's ``vLLMHttpServer``) is an in-process object with the three calls
+``update_weights`` makes (``collective_rpc``, ``clear_kv_cache`` = ``reset_prefix_cache`` as
+``vllm_async_server.py`` line 864 does, ``set_global_steps``).
+
+Per model and plugin mode, one process (``--child``): the engine (weights A) and a fresh engine loaded with B.
+verl syncs B into the first: greedy tokens and logprobs must equal the fresh engine's, after the prefix cache
+was warmed with A's KV. Then rollouts at temperature 1 against a trainer's logprobs (transformers, bf16, the
+B weights): verl's own ``calculate_debug_metrics`` (``verl/utils/debug/metrics.py``) and NeMo-RL's
+``token_mult_prob_error`` (mean of exp|Δlogprob|). Plugin on: ``install()`` and the same call syncs A back
+(must equal the engine's first outputs, which were a fresh load of A), a ``delta_flush`` call is refused
+with the engine unchanged. Sync times: every call timed, as-is and adapter, in one process. Timing is
+reported, never asserted. Writes ``verl.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from importlib import metadata
+from pathlib import Path
+from types import SimpleNamespace
+
+VERL_EXT = "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
+ZMQ = "ipc:///tmp/rl-colocate-zmq-{job}-replica-0-rank-0.sock"
+PROMPTS = [("The history of the printing press begins in " * 6) + s
+           for s in ("Mainz.", "China.", "Korea.", "Venice.")]
+
+
+def perturbed(src: str, dst: str, seed: int) -> str:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, Path(dst) / f.name)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in sorted(load_file(str(Path(src) / "model.safetensors")).items()):
+        noise = torch.randn(t.shape, generator=g) * t.float().std() if t.dim() >= 2 else 0
+        out[name] = (t.float() + noise).to(t.dtype).contiguous()
+    save_file(out, str(Path(dst) / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def trainer_state(path: str):
+    """The (name, tensor) stream a trainer's state_dict gives (a tied model's lm_head.weight included)."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(Path(path) / "model.safetensors"))
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        return asyncio.ensure_future(asyncio.to_thread(self.fn, *args, **kwargs))
+
+
+class LocalServer:
+    """verl's vLLMHttpServer actor, in this process: the calls ServerAdapter.update_weights makes."""
+
+    def __init__(self, llm):
+        self.engine = llm
+        self.collective_rpc = _Remote(lambda method, timeout=None, args=(), kwargs=None:
+                                      llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs))
+        self.clear_kv_cache = _Remote(llm.reset_prefix_cache)
+        self.set_global_steps = _Remote(lambda steps: None)
+
+
+def rollout_for(llm, job: str):
+    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+
+    r = ServerAdapter.__new__(ServerAdapter)  # __init__ needs Ray's runtime context; these are what it sets
+    r.config = SimpleNamespace(checkpoint_engine=SimpleNamespace(update_weights_bucket_megabytes=64),
+                               free_cache_engine=False)
+    r.server_handle, r._has_server, r.replica_rank, r.rollout_rank = LocalServer(llm), True, 0, 0
+    r.zmq_handle, r.use_shm = ZMQ.format(job=job), True
+    return r
+
+
+def greedy(llm, vllm):
+    sp = vllm.SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    return [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+             "logprobs": [s[t].logprob for t, s in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
+            for o in outs]
+
+
+def compare(got, ref) -> dict:
+    same = all(g["tokens"] == r["tokens"] for g, r in zip(got, ref))
+    diffs = [abs(a - b) for g, r in zip(got, ref) for a, b in zip(g["logprobs"], r["logprobs"])]
+    return {"tokens_equal": same, "max_abs_logprob_diff": max(diffs) if diffs else None,
+            "equal": same and bool(diffs) and max(diffs) == 0.0, "cached_tokens": [g["cached"] for g in got]}
+
+
+def timed_sync(rollout, path: str) -> tuple[float, str | None]:
+    t0 = time.perf_counter()
+    try:
+        asyncio.run(rollout.update_weights(iter(trainer_state(path).items()), global_steps=None))
+        return time.perf_counter() - t0, None
+    except Exception as e:  # noqa: BLE001 - what breaks is the finding
+        return time.perf_counter() - t0, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+
+
+def mismatch(llm, vllm, path: str) -> dict:
+    """Rollouts at temperature 1 vs a bf16 trainer's logprobs of the same tokens, verl's metric and NeMo-RL's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from verl.protocol import DataProto
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    sp = vllm.SamplingParams(temperature=1.0, max_tokens=24, logprobs=0, seed=1, n=2)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    rows = [(list(o.prompt_token_ids), c) for o in outs for c in o.outputs]
+    L = max(len(c.token_ids) for _, c in rows)
+    roll, train, mask, resp = (torch.zeros(len(rows), L) for _ in range(4))
+    for i, (p, c) in enumerate(rows):
+        ids = torch.tensor([p + list(c.token_ids)])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits.float()[0, len(p) - 1:-1], -1)
+        n = len(c.token_ids)
+        train[i, :n] = lp[torch.arange(n), torch.tensor(c.token_ids)]
+        roll[i, :n] = torch.tensor([s[t].logprob for t, s in zip(c.token_ids, c.logprobs)])
+        mask[i, :n], resp[i, :n] = 1, torch.tensor(c.token_ids, dtype=torch.float)
+    data = DataProto.from_dict(tensors={"rollout_log_probs": roll, "old_log_probs": train,
+                                        "response_mask": mask, "responses": resp.long()})
+    m = calculate_debug_metrics(data)
+    err = (torch.exp((roll - train).abs()) * mask).sum() / mask.sum()
+    return {"verl_rollout_probs_diff_mean": m["training/rollout_probs_diff_mean"],
+            "verl_rollout_probs_diff_max": m["training/rollout_probs_diff_max"],
+            "token_mult_prob_error": float(err), "tokens": int(mask.sum())}
+
+
+def as_is(llm, vllm, spec, out) -> None:
+    """verl's own sync: A -> B must equal a fresh load of B, the prefix cache warm with A's KV."""
+    r = rollout_for(llm, spec["job"])
+    out["as_is"] = {"seconds": [], "errors": []}
+    for i in range(spec["repeats"]):
+        greedy(llm, vllm)  # the prefix cache holds KV of the weights before the sync
+        secs, err = timed_sync(r, spec["B"] if i % 2 == 0 else spec["A"])
+        out["as_is"]["seconds"].append(secs)
+        out["as_is"]["errors"].append(err)
+        if i == 0:
+            out["as_is"]["vs_fresh"] = compare(greedy(llm, vllm), out["fresh_B"])
+    if spec["repeats"] % 2 == 0:  # end on B for the mismatch rollouts
+        timed_sync(r, spec["B"])
+
+
+def adapter(llm, vllm, spec, out) -> None:
+    """install(): the same ServerAdapter.update_weights call, now through push_weights."""
+    import vllm_rlpatch.integrations.verl as rl
+    from vllm_rlpatch.integrations.support import IntegrationError
+
+    out["adapter"] = {"verl": str(rl.install()), "seconds": [], "errors": []}
+    r = rollout_for(llm, spec["job"])
+    try:
+        for i in range(spec["repeats"]):
+            greedy(llm, vllm)
+            secs, err = timed_sync(r, spec["A"] if i % 2 == 0 else spec["B"])
+            out["adapter"]["seconds"].append(secs)
+            out["adapter"]["errors"].append(err)
+            if i == 0:
+                out["adapter"]["vs_fresh"] = compare(greedy(llm, vllm), out["initial_A"])
+                rep = getattr(r, "rlpatch_report", None)
+                out["adapter"]["report"] = None if rep is None else {
+                    k: getattr(rep, k) for k in ("guarantee", "version", "transport", "path", "state")}
+        if spec["repeats"] % 2 == 0:
+            timed_sync(r, spec["A"])
+        before = greedy(llm, vllm)
+        try:
+            asyncio.run(r.update_weights(iter(trainer_state(spec["B"]).items()), wire_format="delta_flush"))
+            out["adapter"]["unsafe_refused"] = False
+        except IntegrationError as e:
+            out["adapter"]["unsafe_refused"] = True
+            out["adapter"]["unsafe_message"] = str(e)
+        out["adapter"]["unsafe_state_unchanged"] = compare(greedy(llm, vllm), before)["equal"]
+    finally:
+        rl.uninstall()
+
+
+def child(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    os.environ["VERL_RAY_JOB_ID"] = spec["job"]
+    import vllm
+
+    kw = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=True,
+              enable_prefix_caching=True, logprobs_mode="processed_logprobs", seed=0)
+    out = {"mode": spec["mode"], "model": spec["model"], "vllm": vllm.__version__, "verl": metadata.version("verl")}
+    if spec.get("fresh_only"):  # a fresh load of B, in a process of its own (one engine per process)
+        fresh = vllm.LLM(model=spec["B"], **kw)
+        out["fresh_B"] = greedy(fresh, vllm)
+        out["mismatch_fresh"] = mismatch(fresh, vllm, spec["B"])
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)
+    out["fresh_B"] = spec["fresh_B"]
+    llm = vllm.LLM(model=spec["A"], worker_extension_cls=VERL_EXT, **kw)
+    out["initial_A"] = greedy(llm, vllm)
+    as_is(llm, vllm, spec, out)
+    try:
+        out["mismatch_as_is"] = mismatch(llm, vllm, spec["B"])
+    except Exception as e:  # noqa: BLE001
+        out["mismatch_error"] = f"{type(e).__name__}: {e}"
+    if spec["mode"] == "on" and spec.get("adapter", True):
+        adapter(llm, vllm, spec, out)
+    print("RESULT " + json.dumps(out), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # two engines' shutdown on CPU adds nothing to the measurement
+
+
+def run_child(py: str, spec: dict, tmp: Path) -> dict:
+    f = tmp / f"spec-{spec['model']}-{spec['mode']}{'-fresh' if spec.get('fresh_only') else ''}.json"
+    f.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_RLPATCH_")}
+    if spec["mode"] == "off":
+        env["VLLM_RLPATCH_ENABLED"] = "0"
+    p = subprocess.run([py, __file__, "--child", str(f)], capture_output=True, text=True, env=env, timeout=900)
+    Path("/tmp").joinpath(f"{f.stem}.log").write_text(p.stdout + p.stderr)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"mode": spec["mode"], "model": spec["model"], "error": f"exit {p.returncode}",
+            "tail": (p.stdout + p.stderr)[-3000:]}
+
+
+def summary(runs: list[dict]) -> dict:
+    import statistics as st
+
+    def med(xs):
+        return st.median(xs) if xs else None
+    rows = {}
+    for r in runs:
+        a = r.get("as_is", {})
+        rows[f"{r['model']}/{r['mode']}"] = {
+            "sync_correct": a.get("vs_fresh", {}).get("equal"), "sync_error": next((e for e in a.get("errors", [])
+                                                                                      if e), None),
+            "sync_s_median": med([s for s, e in zip(a.get("seconds", []), a.get("errors", [])) if not e]),
+            "adapter_correct": r.get("adapter", {}).get("vs_fresh", {}).get("equal"),
+            "adapter_s_median": med(r.get("adapter", {}).get("seconds", [])[1:] or
+                                    r.get("adapter", {}).get("seconds", [])),
+            "token_mult_prob_error": r.get("mismatch_as_is", {}).get("token_mult_prob_error"),
+            "verl_rollout_probs_diff_mean": r.get("mismatch_as_is", {}).get("verl_rollout_probs_diff_mean")}
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/integrations/")
+    ap.add_argument("--models", default="llama-tiny,qwen2-tiny")
+    ap.add_argument("--modes", default="off,on")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child")
+    a = ap.parse_args()
+    if a.child:
+        child(a.child)
+        return 0
+    try:
+        import verl  # noqa: F401
+
+        from vllm_rlpatch.models import path
+    except ImportError as e:
+        print(f"verl.py: {e} (install ci/envs/integrations/verl.txt next to vLLM)", file=sys.stderr)
+        return 2
+    runs = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for model in a.models.split(","):
+            A = path(model)
+            B = perturbed(A, str(tmp / f"{model}-B"), seed=7)
+            for mode in a.modes.split(","):
+                spec = {"model": model, "mode": mode, "A": A, "B": B, "repeats": a.repeats,
+                        "job": f"rlpatch{os.getpid()}"}
+                fresh = run_child(sys.executable, {**spec, "fresh_only": True}, tmp)
+                spec["fresh_B"] = fresh.get("fresh_B")
+                runs.append(run_child(sys.executable, spec, tmp) | {"fresh_run": fresh})
+                print(json.dumps(summary(runs[-1:])), flush=True)
+    import vllm
+
+    res = {"framework": "verl", "release": runs[0].get("verl"), "vllm": vllm.__version__, "real_code": True,
+           "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                        "amx": "amx_tile" in Path("/proc/cpuinfo").read_text()},
+           "loadavg_start": os.getloadavg(), "summary": summary(runs), "runs": runs}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "verl.json").write_text(json.dumps(res, indent=1, default=str))
+    print(json.dumps(res["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        sys.exit(1)
