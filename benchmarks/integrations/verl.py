@@ -40,6 +40,9 @@ from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
+# This file is named like the framework: its directory must not shadow the installed ``verl`` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 VERL_EXT = "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
 ZMQ = "ipc:///tmp/rl-colocate-zmq-{job}-replica-0-rank-0.sock"
 PROMPTS = [("The history of the printing press begins in " * 6) + s
