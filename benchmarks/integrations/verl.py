@@ -243,13 +243,17 @@ def run_child(py: str, spec: dict, tmp: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_RLPATCH_")}
     if spec["mode"] == "off":
         env["VLLM_RLPATCH_ENABLED"] = "0"
-    p = subprocess.run([py, __file__, "--child", str(f)], capture_output=True, text=True, env=env, timeout=900)
-    Path("/tmp").joinpath(f"{f.stem}.log").write_text(p.stdout + p.stderr)
-    for line in p.stdout.splitlines():
+    log = tmp / f"{f.stem}.log"
+    with open(log, "w") as fh:  # a file, not a pipe: helpers the child leaves behind must not hold our read open
+        p = subprocess.run([py, __file__, "--child", str(f)], stdout=fh, stderr=subprocess.STDOUT, env=env,
+                           timeout=900)
+    text = log.read_text()
+    Path("/tmp", log.name).write_text(text)
+    for line in text.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     return {"mode": spec["mode"], "model": spec["model"], "error": f"exit {p.returncode}",
-            "tail": (p.stdout + p.stderr)[-3000:]}
+            "tail": text[-3000:]}
 
 
 def summary(runs: list[dict]) -> dict:
