@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import platform
@@ -77,12 +78,17 @@ def trainer_state(path: str):
     return sd
 
 
+_POOL = concurrent.futures.ThreadPoolExecutor(4)
+
+
 class _Remote:
     def __init__(self, fn):
         self.fn = fn
 
     def remote(self, *args, **kwargs):
-        return asyncio.ensure_future(asyncio.to_thread(self.fn, *args, **kwargs))
+        # Started now, as Ray's .remote() dispatches at once: verl's sender then blocks its event loop on the
+        # ZMQ handshake with the worker this call starts (a coroutine would never get to run).
+        return asyncio.wrap_future(_POOL.submit(self.fn, *args, **kwargs))
 
 
 class LocalServer:
