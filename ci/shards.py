@@ -36,6 +36,9 @@ COST = {
     "tests/test_parity.py": 310,
     "tests/test_inflight.py": 230,
     "tests/test_serve.py": 200,
+    "tests/test_serve_load.py": 150,  # one server, 4 streaming clients, 6 pushes; newest CI version only
+    "tests/test_serve_scale.py": 100,  # --api-server-count 2 --data-parallel-size 2; newest CI version only
+    "tests/test_serve_fuzz.py": 80,  # one server, ~7000 fuzzed requests; newest CI version only
     "tests/test_upstream_behaviour.py": 170,
     "tests/test_rl_correctness.py": 130,
     "tests/test_sampling_support.py": 55,
@@ -54,7 +57,12 @@ COST = {
     "tests/test_async_preempt.py": 35,
     "tests/test_cpu_amx.py": 20,
     "tests/test_trainer.py": 50,  # the MRv2 interpreter check: ~20 s on 0.32.0
+    "tests/test_mrv2_top_p.py": 20,  # Triton interpreter, 0.32.0 only: 16 s on a loaded 2-core box
     "tests/test_install.py": 40,
+    "tests/test_integrations_trl.py": 200,  # TRL GRPOTrainer + a fresh engine, 0.25.1 only; +~65 s cold env build
+    "tests/test_doc_examples.py": 95,  # README + docs examples, 4 engines in one process; newest CI version only
+    "tests/test_docs.py": 2,
+    "tests/test_wording.py": 2,
 }
 
 

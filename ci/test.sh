@@ -4,6 +4,8 @@
 #   ci/test.sh                      # vLLM 0.20.2, 0.25.1 and 0.32.0 (CPU builds), then the source-level check
 #   ci/test.sh 0.32.0               # one version
 #   ci/test.sh 0.25.1 -- -k engine  # extra pytest arguments after --
+#   ci/test.sh --quick              # the engine-free tests (pytest marker `quick`: docs, wording, registry, contract,
+#                                   # trainer, source level, ...) in one pytest process, on 0.32.0 unless a version is given
 #   RLPATCH_TEST_LANES=1 ci/test.sh # one test file at a time (default: 2 concurrent pytest processes)
 #
 # Each version's environment is built once and cached outside the repo (ci/envs/build_env.sh). Prints the
@@ -12,13 +14,18 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 versions=()
+quick=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --) shift; break ;;
+    --quick) quick=1; shift ;;
+    -*) echo "ci/test.sh: unknown option $1 (versions, --quick, then -- and pytest arguments)" >&2; exit 2 ;;
     *) versions+=("$1"); shift ;;
   esac
 done
-[ ${#versions[@]} -gt 0 ] || versions=(0.20.2 0.25.1 0.32.0)
+if [ ${#versions[@]} -eq 0 ]; then
+  if [ "$quick" -eq 1 ]; then versions=(0.32.0); else versions=(0.20.2 0.25.1 0.32.0); fi
+fi
 LANES="${RLPATCH_TEST_LANES:-2}"
 extra=("$@")
 declare -a summary
@@ -37,6 +44,14 @@ for v in "${versions[@]}"; do
     echo "!!! vLLM $v: environment build failed"; summary+=("$v: ENV BUILD FAILED"); status=1; continue
   fi
   t1=$(date +%s)
+  if [ "$quick" -eq 1 ]; then
+    echo "=== vLLM $v: quick tests, -m quick ($py)"
+    "$py" -m pytest tests -m quick -p no:cacheprovider -q -rs --timeout=600 "${extra[@]}"
+    rc=$?
+    [ $rc -eq 0 ] || status=1
+    summary+=("$v: env $((t1 - t0))s, quick tests $(( $(date +%s) - t1 ))s, pytest exit $rc")
+    continue
+  fi
   echo "=== vLLM $v: tests ($py)"
   # Test files run in $LANES concurrent pytest processes (ci/shards.py says why); the port-race file alone.
   "$py" ci/shards.py --lanes "$LANES" --alone tests/test_port_races.py --ignore tests/source_level tests \
@@ -47,7 +62,7 @@ for v in "${versions[@]}"; do
   summary+=("$v: env $((t1 - t0))s, tests $((t2 - t1))s, pytest exit $rc")
   last_py="$py"
 done
-if [ ${#extra[@]} -eq 0 ] && [ -n "$last_py" ]; then
+if [ "$quick" -eq 0 ] && [ ${#extra[@]} -eq 0 ] && [ -n "$last_py" ]; then
   echo "=== source level: targets in the newest vLLM release, upstream diffs on their pristine bases"
   t0=$(date +%s)
   "$last_py" -m pytest tests/source_level -p no:cacheprovider -q -rs --timeout=1200

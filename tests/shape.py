@@ -31,6 +31,8 @@ ALLOWED_OVER: dict[str, str] = {
     "refit/fleet.py": "one job: the fleet transaction (phases, fencing, versions, the report) over the sender "
                       "interface",
     "refit/checks.py": "one job: verifying an update's bytes (digests, copy checks, pack-and-digest; kernel and torch)",
+    "patches/sampling_support.py": "one job: the per-token support information on both runners (V1, Model "
+                                   "Runner V2) and its engine-core channel",
 }
 
 # Transport names as the code spells them.

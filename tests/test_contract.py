@@ -7,7 +7,7 @@ from vllm_rlpatch import _wrapping, registry
 from vllm_rlpatch.patches import ALL_PATCHES
 from vllm_rlpatch.versions import VllmInfo, vllm_info
 
-pytestmark = pytest.mark.forked
+pytestmark = [pytest.mark.forked, pytest.mark.quick]  # quick: engine-free (ci/test.sh --quick)
 IDS = [s.name for s in ALL_PATCHES]
 
 

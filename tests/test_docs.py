@@ -1,10 +1,22 @@
-"""The README's generated tables match the code; the README's two commands exist."""
+"""The documentation: README.md and the pages under docs/ (a mkdocs site, mkdocs.yml; every page also plain
+Markdown). Generated tables match the code and the committed results, every page of the navigation exists and
+is no stub, every relative link and anchor resolves, the README keeps its shape. Engine-free."""
 
+import importlib.util
+import re
+import unicodedata
 from pathlib import Path
 
-from vllm_rlpatch.tools import table, upstream
+import pytest
+import yaml
+
+from vllm_rlpatch.tools import table
+
+pytestmark = pytest.mark.quick
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
 
 
 def _section(text: str, name: str) -> str:
@@ -12,34 +24,155 @@ def _section(text: str, name: str) -> str:
     return text[a:text.index(f"<!-- {name}:end -->")].strip()
 
 
-def test_readme_tables_are_generated_from_the_code():
-    readme = (ROOT / "README.md").read_text()
-    hint = "run: vllm-rlpatch patches --update-readme README.md"
-    assert _section(readme, "patch-table") == table.markdown(), hint
-    assert _section(readme, "env-table") == table.env_markdown(), hint
-    assert _section(readme, "upstream-table") == upstream.markdown(upstream.load_all()), hint
+def _script(rel: str):
+    spec = importlib.util.spec_from_file_location(Path(rel).stem, ROOT / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _nav_pages() -> list[str]:
+    def walk(node):
+        if isinstance(node, str):
+            yield node
+        elif isinstance(node, list):
+            for x in node:
+                yield from walk(x)
+        elif isinstance(node, dict):
+            for v in node.values():
+                yield from walk(v)
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    return list(walk(config["nav"]))
+
+
+def _pages() -> list[Path]:
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def test_generated_tables_are_current():
+    hint = "run: vllm-rlpatch patches --update-docs docs"
+    where = {"patch-table": "reference.md", "env-table": "reference.md", "upstream-table": "upstream.md"}
+    for name, body in table.sections().items():
+        assert _section((DOCS / where[name]).read_text(), name) == body, hint
 
 
 def test_tested_versions_table_is_generated_from_the_sweep_json():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sweep_table", ROOT / "ci" / "sweep" / "table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    readme = (ROOT / "README.md").read_text()
-    assert mod.START in readme and mod.render() in readme, "run: python ci/sweep/table.py --write README.md"
+    mod = _script("ci/sweep/table.py")
+    page = (DOCS / "reference.md").read_text()
+    assert mod.START in page and mod.render() in page, "run: python ci/sweep/table.py --write docs/reference.md"
     assert len(mod.rows()) >= 3  # the sweep's JSON is committed
 
 
+def test_benchmark_results_table_is_generated_from_the_json():
+    mod = _script("benchmarks/results_table.py")
+    page = (DOCS / "benchmarks.md").read_text()
+    assert _section(page, "results-table") == mod.render(), \
+        "run: python benchmarks/results_table.py --write docs/benchmarks.md"
+    assert all(hw != "not recorded" and v for _, hw, v, _ in mod.rows() if "vllm" in _)
+
+
 def test_readme_commands_and_ci_agree():
-    readme = (ROOT / "README.md").read_text()
+    readme = README.read_text()
     start = readme.index("## The two commands")
     commands = readme[start:readme.index("\n## ", start + 1)]
     assert "bash scripts/parity.sh" in commands and "bash ci/test.sh" in commands
+    assert "bash ci/test.sh --quick" in commands and "--quick" in (ROOT / "ci" / "test.sh").read_text()
     assert "bash ci/test.sh" in (ROOT / ".ci" / "run").read_text()
+    assert "mkdocs\" build --strict" in (ROOT / ".ci" / "run").read_text()
     assert (ROOT / "scripts" / "parity.sh").exists() and (ROOT / "scripts" / "demo.sh").exists()
     assert "vllm-rlpatch\" parity" in (ROOT / "scripts" / "parity.sh").read_text()
     assert (ROOT / "CHANGELOG.md").exists()
     # the first screen installs as written: the package is on no index yet
-    first = readme[:readme.index("## The two commands")]
+    first = readme[:start]
     assert "pip install ." in first and "pip install vllm-rlpatch" not in first
+
+
+def test_readme_shape():
+    text = README.read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 200
+    wide = [i for i, line in enumerate(lines, 1)
+            if len(line) > 120 and not line.startswith("|") and "://" not in line]
+    assert not wide, f"README lines wider than 120 characters: {wide}"
+    order = ["## Install", "## The two commands", "## Quick start", "## Supported versions", "## Documentation"]
+    at = [text.index(h) for h in order]
+    assert at == sorted(at), "README sections out of order"
+    quick = text[at[2]:at[3]]
+    code = re.search(r"```python\n(.*?)```", quick, re.S).group(1)
+    assert len(code.splitlines()) <= 25 and 'if __name__ == "__main__":' in code
+    for name in ("push_weights(", "processed_logprobs(", "report."):
+        assert name in code
+
+
+def test_every_nav_page_exists_and_every_page_is_in_the_nav():
+    nav = _nav_pages()
+    missing = [p for p in nav if not (DOCS / p).is_file()]
+    assert not missing, f"pages in mkdocs.yml's nav that docs/ lacks: {missing}"
+    on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert on_disk <= set(nav), f"pages not in the nav: {sorted(on_disk - set(nav))}"
+
+
+def _expanded(path: Path) -> str:
+    """The page as the site shows it: snippet includes (--8<-- "FILE") expanded."""
+    return re.sub(r'^--8<-- "([^"]+)"$', lambda m: (ROOT / m.group(1)).read_text(), path.read_text(), flags=re.M)
+
+
+def test_no_stub_pages():
+    for rel in _nav_pages():
+        path = DOCS / rel
+        if not path.is_file():
+            continue  # the test above names it
+        text = _expanded(path)
+        assert len(text.splitlines()) >= 30, f"docs/{rel} is a stub (under 30 lines)"
+        assert "TODO" not in text, f"docs/{rel} has a TODO"
+
+
+def slug(heading: str) -> str:
+    """The anchor of a heading, as mkdocs' toc extension and GitHub make it for these pages."""
+    text = re.sub(r"[`*]", "", heading).strip()
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[\s]+", "-", text)
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+?)\s*$", text, re.M)}
+
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _links(path: Path):
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    for m in LINK.finditer(text):
+        yield m.group(1) or m.group(2)
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    bad = []
+    for target in _links(page):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not checked offline
+        if target.startswith("/"):
+            bad.append(f"{target} (absolute: not plain Markdown)")
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        if not dest.exists():
+            bad.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            bad.append(f"{target} (no heading with that anchor)")
+        if page.parent == DOCS or DOCS in page.parents:
+            if file and DOCS not in dest.parents:
+                bad.append(f"{target} (outside docs/: the site cannot follow it)")
+    assert not bad, f"{page.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+def test_slug_matches_mkdocs_for_the_headings_used():
+    assert slug("Fleet updates") == "fleet-updates"
+    assert slug("Targets and transports") == "targets-and-transports"
+    assert slug("Tested versions") == "tested-versions"

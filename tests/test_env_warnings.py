@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.quick  # engine-free: part of ci/test.sh --quick
+
 UNKNOWN = "VLLM_RLPATCH_FOO"
 LOGGED = f"vllm-rlpatch: unknown environment variable {UNKNOWN} (ignored)"  # the log line, not doctor's report
 

@@ -4,6 +4,8 @@ import pytest
 
 from vllm_rlpatch import envs
 
+pytestmark = pytest.mark.quick  # engine-free: part of ci/test.sh --quick
+
 
 def test_bool_parsing(monkeypatch):
     for raw, want in [("1", True), ("true", True), ("ON", True), ("0", False), ("no", False), (" off ", False)]:

@@ -20,6 +20,8 @@ from vllm_rlpatch.hooks import mixed
 from vllm_rlpatch.refit import RefitError, fleet
 from vllm_rlpatch.refit.http import HttpTarget
 
+pytestmark = pytest.mark.quick  # engine-free: part of ci/test.sh --quick
+
 TOKEN = "t" * 32
 
 

@@ -15,6 +15,8 @@ from vllm_rlpatch.refit import RefitError, fleet
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.target import Target
 
+pytestmark = pytest.mark.quick  # engine-free: part of ci/test.sh --quick
+
 SCHEMA = P.Schema({"w": ([4], "float32"), "b": ([2], "float32")}, {}, "test", "float32")
 TENSORS = [("w", torch.arange(4, dtype=torch.float32)), ("b", torch.ones(2))]
 

@@ -10,6 +10,8 @@ import pytest
 from vllm_rlpatch.hooks import engine_core
 from vllm_rlpatch.refit import coordinator as C
 
+pytestmark = pytest.mark.quick  # engine-free: part of ci/test.sh --quick
+
 
 def _answer(t0, *, enter=1.0, call=1.1, w_enter=1.2, w_exit=5.0, ret=5.1, exit_=5.3):
     return {"ok": True, "clock": {"enter": t0 + w_enter, "exit": t0 + w_exit},

@@ -12,7 +12,7 @@ from vllm_rlpatch import _wrapping, registry
 from vllm_rlpatch.registry import PatchError, PatchSpec
 from vllm_rlpatch.versions import NEWEST_TESTED, VllmInfo
 
-pytestmark = pytest.mark.forked
+pytestmark = [pytest.mark.forked, pytest.mark.quick]  # quick: engine-free (ci/test.sh --quick)
 
 MOD = __name__
 

@@ -14,6 +14,8 @@ from vllm_rlpatch.refit import api, caches, ipc_sender
 from vllm_rlpatch.refit import protocol as P
 from vllm_rlpatch.refit.target import Target
 
+pytestmark = pytest.mark.quick  # engine-free: part of ci/test.sh --quick
+
 SCHEMA = P.Schema({"w": ([4, 2], "float32"), "b": ([2], "float32")}, {}, "test", "float32")
 
 

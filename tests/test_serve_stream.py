@@ -14,7 +14,7 @@ import pytest
 from vllm_rlpatch.patches import refit_http as H
 from vllm_rlpatch.patches.sampling_support import SamplingSupport
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.quick]  # quick: engine-free (ci/test.sh --quick)
 
 ENGINE = {"vllm": "0.32.0", "runner": "v1", "device": "cpu"}
 

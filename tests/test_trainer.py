@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from support.env import model_path
 
+pytestmark = pytest.mark.quick  # engine-free: part of ci/test.sh --quick
+
 
 @pytest.fixture()
 def model():

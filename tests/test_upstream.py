@@ -15,6 +15,8 @@ import pytest
 from vllm_rlpatch.tools import upstream
 from vllm_rlpatch.patches import ALL_PATCHES, BY_NAME
 
+pytestmark = pytest.mark.quick  # engine-free: part of ci/test.sh --quick
+
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = upstream.load_all()
 SECTIONS = ("## Purpose", "## Root cause", "## Fix", "## Test Plan", "## Test Result", "## Upstream status")

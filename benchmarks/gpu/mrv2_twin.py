@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 import tempfile
 import time
@@ -69,6 +70,10 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", metavar="DIR", help="keep the spec, the captured logits and the engine's log here")
     ap.add_argument("--from", dest="from_dir", metavar="DIR",
                     help="no engine: read a kept run's engine.log and logits.pt (from --keep) and compare again")
+    ap.add_argument("--engine-info", action="store_true",
+                    help="requests ask for rlpatch_support; also check the twin given it (engine_info)")
+    ap.add_argument("--dump-rows", metavar="FILE",
+                    help="save the rows `explain` rebuilds (top-k/top-p input, k, p) for mrv2_top_p_interp.py --rows")
     a = ap.parse_args(argv)
     if not 1 <= a.prompts <= len(PROMPTS) or a.tokens < 1:
         print(f"error: --prompts must be 1-{len(PROMPTS)} and --tokens >= 1", file=sys.stderr)
@@ -118,8 +123,9 @@ def main(argv=None) -> int:
         out["from"] = str(work)
         say(f"from {work}: {len(r['requests']) if r else 0} requests")
     else:
+        ask = {"extra_args": {"rlpatch_support": True}} if a.engine_info else {}
         reqs = [{"prompt": PROMPTS[j], "sampling": {**sp, "max_tokens": a.tokens, "ignore_eos": True, "logprobs": 0,
-                                                    "seed": 1000 * g + j}}
+                                                    "seed": 1000 * g + j, **ask}}
                 for g, sp in enumerate(GRID) for j in range(a.prompts)]
         # every prompt prefilled in one step (no chunked prefill: a captured row is then a sampled token)
         spec = {"engine": {"model": model_path(), "max_num_batched_tokens": 16384, "max_num_seqs": 1024,
@@ -147,7 +153,7 @@ def main(argv=None) -> int:
     by_rid: dict = {}
     for (rid, pos), row in captured.items():
         by_rid.setdefault(rid, {})[pos] = row
-    logits, toks, sps, prompts, returned, setting = [], [], [], [], [], []
+    logits, toks, sps, prompts, returned, setting, infos = [], [], [], [], [], [], []
     missing = 0
     for i, o in enumerate(r["requests"]):
         c = o["outputs"][0]
@@ -163,6 +169,8 @@ def main(argv=None) -> int:
         setting.append(g)
         prompts.append(o["prompt_token_ids"])
         returned.append(c["logprobs"])
+        sup = c.get("support")
+        infos.append(None if sup is None else [math.nan if x is None else x for x in sup["log_mass_kept"]])
     out["checks"]["rows_captured"] = {"ok": missing == 0, "requests": len(r["requests"]), "missing": missing,
                                       "rows": len(captured)}
     if missing:
@@ -201,15 +209,43 @@ def main(argv=None) -> int:
     own = res[runner]
     ok = own["tokens_over_tol"] == 0 and own["outside_support"] == 0 and own["returned_nonfinite"] == 0
     out["checks"]["twin_matches"] = {"ok": ok, "tolerance": TOL, "rules": res}
+    if a.engine_info:
+        out["checks"]["engine_info_matches"] = with_engine_info(L, T, R, sps, prompts, engine, infos)
+        if not out["checks"]["engine_info_matches"]["ok"]:
+            out["failures"].append("engine_info_matches")
     try:
         lp_own, _ = processed_logprobs(L, T, sps, prompt_token_ids=prompts, engine=engine, return_details=True)
-        out["explain"] = explain(L, T, R, sps, lp_own)
+        out["explain"] = explain(L, T, R, sps, lp_own, a.dump_rows)
     except Exception as e:  # noqa: BLE001 - information only: recorded, the checks stand
         out["explain"] = {"error": f"{type(e).__name__}: {e}"}
     say(f"explain: {json.dumps({k: v for k, v in out['explain'].items() if k != 'rows'})}")
     if not ok:
         out["failures"].append("twin_matches")
     return finish(True)
+
+
+def with_engine_info(L, T, R, sps, prompts, engine, infos) -> dict:
+    """The twin given the engine's rlpatch_support: every returned processed logprob within TOL, none
+    non-finite, every token with support information."""
+    import torch
+
+    from vllm_rlpatch.trainer import processed_logprobs
+
+    missing = sum(1 for i in infos if i is None)
+    info = torch.tensor([i if i is not None else [math.nan] * T.shape[1] for i in infos], dtype=torch.float32)
+    lp, det = processed_logprobs(L, T, sps, prompt_token_ids=prompts, engine=engine, engine_info=info,
+                                 return_details=True)
+    finite = torch.isfinite(R)
+    diff = torch.where(finite, (lp.double() - R).abs(), torch.zeros_like(R))
+    res = {"tokens": int(T.numel()), "tokens_within_tol": int(((diff <= TOL) & finite).sum()),
+           "tokens_over_tol": int((diff > TOL).sum()), "max_abs_diff": float(diff.max()),
+           "nonfinite_twin": int((~torch.isfinite(lp)).sum()), "requests_without_support": missing,
+           "tokens_without_support": int(torch.isnan(info).sum()), "tolerance": TOL}
+    res["ok"] = (res["tokens_over_tol"] == 0 and res["nonfinite_twin"] == 0 and missing == 0
+                 and res["tokens_without_support"] == 0)
+    say(f"engine_info: {res['tokens_within_tol']}/{res['tokens']} within {TOL}, max |diff| {res['max_abs_diff']:.3g}, "
+        f"{res['nonfinite_twin']} non-finite, {missing} requests without support")
+    return res
 
 
 def _topk_topp_kernel():
@@ -244,7 +280,7 @@ def _topk_topp_kernel():
     return "cpu (Triton interpreter)", apply
 
 
-def explain(L, T, R, sps, lp) -> dict:
+def explain(L, T, R, sps, lp, dump: str | None = None) -> dict:
     """Rows of the tokens over the tolerance (settings without penalties): the kept count the engine used (the
     smallest prefix, by value, whose log-sum-exp gives its returned logprob), vLLM's kernel's and vLLM's PyTorch
     implementation's on the rebuilt row."""
@@ -275,6 +311,9 @@ def explain(L, T, R, sps, lp) -> dict:
         return out
     X = torch.stack(rows)
     k, p = torch.tensor(ks, dtype=torch.int32), torch.tensor(ps, dtype=torch.float32)
+    if dump:
+        torch.save({"logits": X, "k": k, "p": p, "engine_kept": torch.tensor(engine_n)}, dump)
+        out["rows_saved_to"] = dump
     torch_n = torch.isfinite(apply_top_k_top_p_pytorch(X.clone(), k.long(), p, allow_cpu_sync=True)).sum(1).tolist()
     out.update(engine_kept_equals_torch=sum(a == b for a, b in zip(engine_n, torch_n)),
                engine_minus_torch=dict(sorted(__import__("collections").Counter(

@@ -1,11 +1,11 @@
-"""The README's "tested versions" table, generated from the version sweep's JSON (benchmarks/results/sweep/)
+"""The "tested versions" table (docs/reference.md), generated from the version sweep's JSON (benchmarks/results/sweep/)
 and the GPU runs' JSON (benchmarks/results/*-vllmVERSION-h200*.json, *-vllmVERSION-h100*.json).
 
     python ci/sweep/table.py             # print the table
-    python ci/sweep/table.py --write README.md   # replace it between the README's markers
-    python ci/sweep/table.py --check README.md   # exit 1 if the README's table is not the generated one
+    python ci/sweep/table.py --write docs/reference.md   # replace it between the page's markers
+    python ci/sweep/table.py --check docs/reference.md   # exit 1 if the page's table is not the generated one
 
-Exit status 2 on bad arguments (a README without the markers).
+Exit status 2 on bad arguments (a page without the markers).
 """
 
 from __future__ import annotations

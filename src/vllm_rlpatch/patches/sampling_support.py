@@ -30,13 +30,19 @@ How:   ``SamplingParams(extra_args={"rlpatch_support": True})`` asks for it per 
        ``lp_processed(token) = lp_T(token) - log_mass_kept`` for any trainer's lp_T (the trainer twin does it).
        Greedy rows: in an all-greedy batch vLLM skips temperature and truncation (processed logprobs are the
        full softmax), reported as log_mass_kept 0; in a mixed batch greedy rows are processed at T=1, as vLLM
-       does. Not supported (``rlpatch_support`` stays absent, one WARNING when a request asks): speculative
-       decoding; Model Runner V2 (the GPU default from vLLM 0.29: its sampler is another class, wrapped only to
-       say so; ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1 there); vLLM >= 0.34 (no V1 runner: ``unsupported``). With the toggle off no sampler
-       or runner hook is installed; on, a batch in which no request asked costs one dict lookup per request.
+       does. Model Runner V2 (the GPU default from vLLM 0.29, the only GPU runner in 0.34): its ``Sampler``
+       notes the slots that asked (``add_request``); in a step with such a row, the tensor
+       ``SamplingStates.apply_min_p`` receives (after penalties and temperature) gives lse_T, and the
+       ``processed_logits`` ``Sampler.sample`` returns (after min-p, top-k, top-p) give the kept count and lse
+       of what MRv2 really kept; the two values ride on the ``SamplerOutput`` to ``AsyncOutput.get_output``
+       (pinned, non-blocking copy). A step in which no row asked costs one set lookup per row; a sampler with
+       no such request, one dict lookup. Not supported (``rlpatch_support`` stays absent, one WARNING when a
+       request asks): speculative decoding. With the toggle off no sampler or runner hook is installed; on, a
+       V1 batch in which no request asked costs one dict lookup per request.
 Targets: vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens and AsyncGPUModelRunnerOutput.get_output,
-       vllm.v1.sample.sampler:Sampler.sample and Sampler.apply_temperature, vllm.v1.worker.gpu.sample.sampler:
-       Sampler.add_request (MRv2: the WARNING) (worker, wrapped when vLLM imports them); the engine-core hook (Scheduler.update_from_output, OutputProcessor.process_outputs,
+       vllm.v1.sample.sampler:Sampler.sample and Sampler.apply_temperature; MRv2: vllm.v1.worker.gpu.sample.sampler:
+       Sampler.add_request / __call__ / sample, ...gpu.sample.states:SamplingStates.apply_min_p,
+       ...gpu.async_utils:AsyncOutput.get_output (worker, wrapped when vLLM imports them); the engine-core hook (Scheduler.update_from_output, OutputProcessor.process_outputs,
        RequestState._new_completion_output).
 Upstream: vLLM 0.32 ``return_sampling_mask`` (MRv2 + processed logprobs only; a vocabulary-sized mask per
        token); no per-token kept mass upstream.
@@ -318,19 +324,23 @@ def _attach(out: Any, step: _Step) -> None:
         out.rlpatch_support = _lists(step, log_mass, count)
         return
     if hasattr(out, "get_output"):  # async scheduling (GPU): copy now, convert when vLLM reads the output
-        import torch
+        out._rlpatch_support_pending = (step, *_host_copy(log_mass, count))
 
-        if isinstance(log_mass, list):
-            both, ev = torch.tensor([log_mass, count], dtype=torch.float32), None
-        elif log_mass.is_cuda:  # into pinned memory: the copy does not block the host
-            src = torch.stack([log_mass.float(), count.float()])
-            both = torch.empty(src.shape, dtype=torch.float32, pin_memory=True)
-            both.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-        else:
-            both, ev = torch.stack([log_mass.float(), count.float()]), None
-        out._rlpatch_support_pending = (step, both, ev)
+
+def _host_copy(log_mass, count):
+    """(both, event): the two per-row values on the host, copied without blocking where they are on a GPU."""
+    import torch
+
+    if isinstance(log_mass, list):
+        return torch.tensor([log_mass, count], dtype=torch.float32), None
+    if log_mass.is_cuda:  # into pinned memory: the copy does not block the host
+        src = torch.stack([log_mass.float(), count.float()])
+        both = torch.empty(src.shape, dtype=torch.float32, pin_memory=True)
+        both.copy_(src, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return both, ev
+    return torch.stack([log_mass.float(), count.float()]), None
 
 
 def _async_get_output_wrapper(wrapped, instance, args, kwargs):
@@ -352,16 +362,133 @@ _WORKER = (
 )
 
 
+# ------------------------------------------------------------------------------------------ Model Runner V2
+# MRv2's Sampler (vllm/v1/worker/gpu/sample/sampler.py) keeps requests by slot (req_idx); `add_request` notes
+# the slots that asked. Per step, `__call__(logits, input_batch)` maps batch rows to slots
+# (input_batch.idx_mapping_np); `sample` runs penalties/temperature (apply_sampling_params), min-p in place
+# (SamplingStates.apply_min_p: the tensor it receives is the temperature-scaled one), then top-k/top-p, and
+# returns (sampled, processed_logits): the kept set is the finite entries of processed_logits. The result
+# rides on the SamplerOutput to AsyncOutput.get_output, which builds the ModelRunnerOutput.
+MRV2_STATES = "vllm.v1.worker.gpu.sample.states"
+MRV2_ASYNC = "vllm.v1.worker.gpu.async_utils"
+T_MRV2_CALL = f"{MRV2_SAMPLER}:Sampler.__call__"
+T_MRV2_SAMPLE = f"{MRV2_SAMPLER}:Sampler.sample"
+T_MRV2_MIN_P = f"{MRV2_STATES}:SamplingStates.apply_min_p"
+T_MRV2_GET_OUTPUT = f"{MRV2_ASYNC}:AsyncOutput.get_output"
+
+
 def _mrv2_add_request_wrapper(wrapped, instance, args, kwargs):
+    req_idx = args[0] if args else kwargs.get("req_idx")
     sp = args[1] if len(args) > 1 else kwargs.get("sampling_params")
+    slots = instance.__dict__.setdefault("_rlpatch_wants", set())
     if wants(sp):
-        _warn_once("mrv2", "a request asked for rlpatch_support, but this engine runs Model Runner V2, which the "
-                           "patch does not hook (V1 only): no support information. VLLM_USE_V2_MODEL_RUNNER=0 "
-                           "selects the V1 runner on vLLM < 0.34; vLLM's own --return-sampling-mask is MRv2's")
+        slots.add(req_idx)
+    else:
+        slots.discard(req_idx)
     return wrapped(*args, **kwargs)
 
 
-_MRV2 = _wrapping.LateWraps(MRV2_SAMPLER, {T_MRV2_ADD: _mrv2_add_request_wrapper}, OWNER)
+def _pick(t, step: _Step):
+    import torch
+
+    return t if step.all_rows else t.index_select(0, torch.tensor(step.rows, device=t.device))
+
+
+def _mrv2_call_wrapper(wrapped, instance, args, kwargs):
+    slots = instance.__dict__.get("_rlpatch_wants")
+    if not slots:
+        return wrapped(*args, **kwargs)
+    t0 = time.perf_counter()
+    logits = args[0] if args else kwargs.get("logits")
+    ib = args[1] if len(args) > 1 else kwargs.get("input_batch")
+    idx = ib.idx_mapping_np.tolist()
+    rows = [i for i, r in enumerate(idx) if r in slots]
+    if not rows:
+        RUNTIME["seconds"] += time.perf_counter() - t0
+        return wrapped(*args, **kwargs)
+    if logits.dim() != 2 or logits.shape[0] != len(idx):  # several logits rows per request: speculative decoding
+        _warn_once("spec", "speculative decoding is on: no support information (rlpatch_support stays None)")
+        return wrapped(*args, **kwargs)
+    step = _Step(list(ib.req_ids), rows, len(idx), {"vllm": vllm_info().raw_version, "runner": "mrv2",
+                                                     "device": str(logits.device.type)})
+    needs = getattr(instance, "needs_logits_processing", None)
+    if needs is not None and not bool(needs[ib.idx_mapping_np].any()):
+        step.lse_t = _lse(_pick(logits, step).float())  # no temperature, no min-p: top-k/top-p mask these logits
+    prev = getattr(_TLS, "mrv2", None)
+    _TLS.mrv2 = step
+    RUNTIME["seconds"] += time.perf_counter() - t0
+    try:
+        out = wrapped(*args, **kwargs)
+    finally:
+        _TLS.mrv2 = prev
+    t1 = time.perf_counter()
+    try:
+        if step.result is None:
+            raise RuntimeError("MRv2's sampler gave no processed logits to read the kept set from")
+        sampled, processed = step.result
+        _, log_mass, count = _mrv2_support(step, sampled, processed)
+        RUNTIME["steps"] += 1
+        RUNTIME["rows"] += len(step.rows)
+        out._rlpatch_support_pending = (step, *_host_copy(log_mass, count))  # read by AsyncOutput.get_output
+    except Exception as e:  # never break sampling
+        _warn_once("error", "could not compute support information (%s: %s); rlpatch_support stays None",
+                   type(e).__name__, e)
+    RUNTIME["seconds"] += time.perf_counter() - t1
+    return out
+
+
+def _mrv2_min_p_wrapper(wrapped, instance, args, kwargs):
+    step = getattr(_TLS, "mrv2", None)
+    logits = args[0] if args else kwargs.get("logits")
+    if step is not None and step.lse_t is None and logits is not None and logits.shape[0] == step.num_rows:
+        t0 = time.perf_counter()
+        step.lse_t = _lse(_pick(logits, step))  # temperature-scaled, before min-p masks it in place
+        RUNTIME["seconds"] += time.perf_counter() - t0
+    return wrapped(*args, **kwargs)
+
+
+def _mrv2_sample_wrapper(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    step = getattr(_TLS, "mrv2", None)
+    if step is not None and step.result is None:
+        step.result = out  # (sampled, processed_logits after top-k/top-p)
+    return out
+
+
+def _mrv2_support(step: _Step, sampled, processed):
+    import torch
+
+    if step.lse_t is None:
+        raise RuntimeError("no temperature-scaled logits seen before min-p")
+    x = _pick(processed, step)
+    tok = _pick(sampled.reshape(-1).long(), step).unsqueeze(1)
+    ok = torch.isfinite(x.gather(1, tok).squeeze(1))  # the sampled token must be in the kept set
+    count = _kept_count(x)
+    log_mass = torch.clamp_max(_lse(x) - step.lse_t, 0.0)
+    return step, torch.where(ok, log_mass, torch.full_like(log_mass, float("nan"))), count
+
+
+def _mrv2_get_output_wrapper(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    so = getattr(instance, "sampler_output", None)
+    pending = None if so is None else so.__dict__.pop("_rlpatch_support_pending", None)
+    if pending is not None and out is not None:
+        step, both, ev = pending
+        if ev is not None:
+            ev.synchronize()
+        out.rlpatch_support = _lists(step, both[0], both[1].long())
+    return out
+
+
+_MRV2 = _wrapping.LateWraps(MRV2_SAMPLER, {T_MRV2_ADD: _mrv2_add_request_wrapper, T_MRV2_CALL: _mrv2_call_wrapper,
+                                           T_MRV2_SAMPLE: _mrv2_sample_wrapper}, OWNER, all_or_none=True,
+                            on_missing=lambda m: _warn_once("missing", "%s missing in this vLLM", ", ".join(m)))
+_MRV2_LATE = (
+    _wrapping.LateWraps(MRV2_STATES, {T_MRV2_MIN_P: _mrv2_min_p_wrapper}, OWNER,
+                        on_missing=lambda m: _warn_once("missing", "%s missing in this vLLM", ", ".join(m))),
+    _wrapping.LateWraps(MRV2_ASYNC, {T_MRV2_GET_OUTPUT: _mrv2_get_output_wrapper}, OWNER,
+                        on_missing=lambda m: _warn_once("missing", "%s missing in this vLLM", ", ".join(m))),
+)
 
 
 # ------------------------------------------------------------------------------------------ engine core
@@ -439,12 +566,12 @@ CHANNEL = engine_core.Channel(NAME, engine_core=_engine_core, frontend=_frontend
 def apply() -> None:
     engine_core.require(NAME)
     engine_core.add_channel(CHANNEL)
-    for lw in (*_WORKER, _MRV2):
+    for lw in (*_WORKER, _MRV2, *_MRV2_LATE):
         lw.apply()
 
 
 def revert() -> None:
-    for lw in (*_WORKER, _MRV2):
+    for lw in (*_WORKER, _MRV2, *_MRV2_LATE):
         lw.revert()
     engine_core.remove_channel(NAME)
     engine_core.release(NAME)
@@ -454,9 +581,10 @@ SPEC = PatchSpec(
     name=NAME,
     summary="Per-token kept-set mass and size from the sampler, opt-in per request "
             "(extra_args={'rlpatch_support': True}; vllm_xargs over vllm serve): CompletionOutput.rlpatch_support",
-    vllm=">=0.20,<0.34",  # vLLM 0.34 removed the V1 runner (MRv2 is not hooked)
+    vllm=">=0.20,<0.35",  # V1 runner through 0.33; Model Runner V2 from 0.29 (0.34: MRv2 only)
     targets=(),
-    lazy_targets=(T_SAMPLE_TOKENS, T_ASYNC_OUTPUT, T_SAMPLE, T_TEMPERATURE, T_MRV2_ADD, *engine_core.TARGETS),
+    lazy_targets=(T_SAMPLE_TOKENS, T_ASYNC_OUTPUT, T_SAMPLE, T_TEMPERATURE, T_MRV2_ADD, T_MRV2_CALL, T_MRV2_SAMPLE,
+                  T_MRV2_MIN_P, T_MRV2_GET_OUTPUT, *engine_core.TARGETS),
     apply=apply,
     revert=revert,
     upstream="vLLM 0.32 return_sampling_mask (Model Runner V2 only, a vocabulary-sized mask per token)",

@@ -20,12 +20,17 @@ SIGPIPE_STATUS = 128 + signal.SIGPIPE
 
 def _patches(argv: list[str]) -> int:
     ap = options.parser("vllm-rlpatch patches", "List the patch specs.")
-    ap.add_argument("--markdown", action="store_true", help="the README table")
-    ap.add_argument("--update-readme", metavar="README", help="rewrite the generated tables in this README")
+    ap.add_argument("--markdown", action="store_true", help="the table as Markdown (docs/reference.md)")
+    ap.add_argument("--update-docs", metavar="PATH",
+                    help="rewrite the generated tables (patches, environment variables, upstream diffs) in this "
+                         "Markdown file or in every page under this directory (docs)")
     args = ap.parse_args(argv)
-    if args.update_readme:
-        changed = table.regenerate_readme(args.update_readme)
-        print(f"{args.update_readme}: {'updated' if changed else 'already current'}")
+    if args.update_docs:
+        try:
+            changed = table.regenerate(args.update_docs)
+        except (OSError, ValueError) as e:
+            raise ToolError(str(e)) from None
+        print(f"{args.update_docs}: {'updated ' + ', '.join(changed) if changed else 'already current'}")
         return 0
     print(table.markdown() if args.markdown else table.plain())
     return 0

@@ -1,6 +1,8 @@
-"""The patch table, generated from the specs (README and ``vllm-rlpatch patches``)."""
+"""The patch table, generated from the specs (docs/reference.md and ``vllm-rlpatch patches``)."""
 
 from __future__ import annotations
+
+import os
 
 from vllm_rlpatch import envs
 from vllm_rlpatch.patches import ALL_PATCHES
@@ -52,15 +54,30 @@ def replace_between(text: str, name: str, body: str) -> str:
     return text[:a] + "\n" + body + "\n" + text[b:]
 
 
-def regenerate_readme(path: str) -> bool:
-    """Rewrite the generated sections of the README in place. Returns True if it changed."""
-    with open(path, encoding="utf-8") as fh:
-        old = fh.read()
+def sections() -> dict[str, str]:
+    """Every generated section by marker name: the patch table, the environment variables, the upstream diffs
+    (as the docs/ pages hold them: the diffs' PR.md named by path)."""
+    return {"patch-table": markdown(), "env-table": env_markdown(),
+            "upstream-table": upstream.markdown(upstream.load_all(), links=False)}
 
-    new = replace_between(replace_between(old, "patch-table", markdown()), "env-table", env_markdown())
-    if "<!-- upstream-table:start -->" in new:
-        new = replace_between(new, "upstream-table", upstream.markdown(upstream.load_all()))
-    if new != old:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(new)
-    return new != old
+
+def regenerate(path: str) -> list[str]:
+    """Rewrite the generated sections of a Markdown file, or of every ``*.md`` under a directory, in place.
+    Returns the files that changed; a path with no generated section at all is an error (ValueError)."""
+    files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names if f.endswith(".md")) \
+        if os.path.isdir(path) else [path]
+    changed, seen = [], 0
+    for name in files:
+        with open(name, encoding="utf-8") as fh:
+            old = fh.read()
+        new = old
+        for section, body in sections().items():
+            if f"<!-- {section}:start -->" in new:
+                new, seen = replace_between(new, section, body), seen + 1
+        if new != old:
+            with open(name, "w", encoding="utf-8") as fh:
+                fh.write(new)
+            changed.append(name)
+    if not seen:
+        raise ValueError(f"{path}: no generated section (<!-- patch-table:start --> ...)")
+    return changed

@@ -269,10 +269,16 @@ def render(rows: list[tuple[str, ...]], header: tuple[str, ...] = ("diff", "base
     return "\n".join(lines)
 
 
-def markdown(patches: list[UpstreamPatch]) -> str:
+def markdown(patches: list[UpstreamPatch], links: bool = True) -> str:
+    """The table as Markdown; ``links=False`` names each PR.md as a path (a page outside the repository root)."""
     out = ["| diff | base | upstream status | runtime patch |", "|---|---|---|---|"]
     for r in table_rows(patches):
-        name = r[0] if r[0].startswith("(") else f"[`{r[0]}`](upstream_patches/{r[0]}/PR.md)"
+        if r[0].startswith("("):
+            name = r[0]
+        elif links:
+            name = f"[`{r[0]}`](upstream_patches/{r[0]}/PR.md)"
+        else:
+            name = f"`{r[0]}`: `upstream_patches/{r[0]}/PR.md`"
         out.append(f"| {name} | {r[1]} | {r[2]} | `{r[3]}` |")
     return "\n".join(out)
 
@@ -282,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Upstream-ready diffs of the runtime patches, and their check.")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--list", action="store_true", help="the table (default)")
-    g.add_argument("--markdown", action="store_true", help="the table as Markdown (README)")
+    g.add_argument("--markdown", action="store_true", help="the table as Markdown")
     g.add_argument("--show", metavar="NAME", help="print a diff's PR.md and the files it changes")
     g.add_argument("--check", metavar="NAME", nargs="?", const="", default=None,
                    help="apply each diff (or NAME) to its pristine base(s): git apply --check, apply, "
