@@ -1,6 +1,6 @@
 """User-facing text describes the software and its measurements, not how the work on it was organised.
 
-README.md, every page under docs/ and every command's --help text are checked against one list of patterns:
+README.md, CHANGELOG.md, every page under docs/ and every command's --help text are checked against one list of patterns:
 work sessions and helpers, lent machines, moving files or chunks to a machine, /tmp/ paths, internal run
 letters, this project's own issue numbers, who measured what or when. API terms (``refit_session``) and
 upstream references (vllm#42043, trl#6789, "PR #3355" of another project) are not matched. Engine-free.
@@ -51,7 +51,7 @@ def offences(text: str) -> list[tuple[int, str, str]]:
 
 
 def _documents() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def _help_texts() -> dict[str, str]:
