@@ -44,7 +44,39 @@ from types import SimpleNamespace
 # This file is named like the framework: its directory must not shadow the installed ``verl`` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-VERL_EXT = "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
+VERL_EXT = "verl_cpu_platform.vLLMColocateWorkerExtension"  # verl's own class, re-exported after the platform
+# verl 0.9.1 knows no CPU platform: its detection falls back to 'nvidia' (verl/plugin/platform/platform_manager.py
+# line 113) and BucketedWeightSender's torch.cuda.synchronize() (bucketed_weight_transfer.py line 162) raises
+# "Found no NVIDIA driver", leaving the worker blocked on its ZMQ recv (line 286). A CPU platform, through
+# verl's own extension point (PlatformRegistry + set_platform), in both the trainer and the vLLM worker.
+CPU_PLATFORM = """
+import types
+import torch
+from verl.plugin.platform.platform_cuda import PlatformCUDA
+from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform
+
+
+@PlatformRegistry.register(platform="cpu")
+class PlatformCPU(PlatformCUDA):
+    device_name = property(lambda self: "cpu")
+    vendor_name = property(lambda self: "cpu")
+    device_module = property(lambda self: types.SimpleNamespace(
+        synchronize=lambda *a: None, empty_cache=lambda: None, ipc_collect=lambda: None,
+        is_available=lambda: True, current_device=lambda: 0))
+
+    def is_available(self):
+        return True
+
+    def current_device(self):
+        return 0
+
+    def is_ipc_supported(self):
+        return False
+
+
+set_platform(PlatformCPU())
+from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension  # noqa: E402
+"""
 ZMQ = "ipc:///tmp/rl-colocate-zmq-{job}-replica-0-rank-0.sock"
 PROMPTS = [("The history of the printing press begins in " * 6) + s
            for s in ("Mainz.", "China.", "Korea.", "Venice.")]
@@ -202,14 +234,19 @@ def adapter(llm, vllm, spec, out) -> None:
                     k: getattr(rep, k) for k in ("guarantee", "version", "transport", "path", "state")}
         if spec["repeats"] % 2 == 0:
             timed_sync(r, spec["A"])
-        before = greedy(llm, vllm)
-        try:
-            asyncio.run(r.update_weights(iter(trainer_state(spec["B"]).items()), wire_format="delta_flush"))
-            out["adapter"]["unsafe_refused"] = False
-        except IntegrationError as e:
-            out["adapter"]["unsafe_refused"] = True
-            out["adapter"]["unsafe_message"] = str(e)
-        out["adapter"]["unsafe_state_unchanged"] = compare(greedy(llm, vllm), before)["equal"]
+        unsafe = {"delta_flush": {"wire_format": "delta_flush"}, "lora": {"peft_config": {"r": 8}}}
+        for name, kw in unsafe.items():
+            before = greedy(llm, vllm)
+            try:
+                asyncio.run(r.update_weights(iter(trainer_state(spec["B"]).items()), **kw))
+                res = {"refused": False}
+            except IntegrationError as e:
+                res = {"refused": True, "message": str(e)}
+            res["state_unchanged"] = compare(greedy(llm, vllm), before)["equal"]
+            out["adapter"][f"unsafe_{name}"] = res
+        out["adapter"]["unsafe_refused"] = all(out["adapter"][f"unsafe_{n}"]["refused"] for n in unsafe)
+        out["adapter"]["unsafe_state_unchanged"] = all(out["adapter"][f"unsafe_{n}"]["state_unchanged"]
+                                                       for n in unsafe)
     finally:
         rl.uninstall()
 
@@ -228,6 +265,7 @@ def finish(out: dict, *llms) -> None:
 def child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     os.environ["VERL_RAY_JOB_ID"] = spec["job"]
+    import verl_cpu_platform  # noqa: F401 - the CPU platform, before verl's code runs
     import vllm
 
     kw = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=True,
@@ -255,12 +293,14 @@ def run_child(py: str, spec: dict, tmp: Path) -> dict:
     f = tmp / f"spec-{spec['model']}-{spec['mode']}{'-fresh' if spec.get('fresh_only') else ''}.json"
     f.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_RLPATCH_")}
+    (tmp / "verl_cpu_platform.py").write_text(CPU_PLATFORM)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(tmp), env.get("PYTHONPATH")) if x)
     if spec["mode"] == "off":
         env["VLLM_RLPATCH_ENABLED"] = "0"
     log = tmp / f"{f.stem}.log"
     with open(log, "w") as fh:  # a file, not a pipe: helpers the child leaves behind must not hold our read open
         p = subprocess.run([py, __file__, "--child", str(f)], stdout=fh, stderr=subprocess.STDOUT, env=env,
-                           timeout=900)
+                           timeout=600)
     text = log.read_text()
     Path("/tmp", log.name).write_text(text)
     for line in text.splitlines():
@@ -288,6 +328,63 @@ def summary(runs: list[dict]) -> dict:
             "token_mult_prob_error": r.get("mismatch_as_is", {}).get("token_mult_prob_error"),
             "verl_rollout_probs_diff_mean": r.get("mismatch_as_is", {}).get("verl_rollout_probs_diff_mean")}
     return rows
+
+
+def _by_model(runs, mode, get):
+    return {r["model"]: get(r) for r in runs if r.get("mode") == mode and "error" not in r} or None
+
+
+def _all(d):
+    return None if not d else all(v is True for v in d.values())
+
+
+def fixed(runs) -> list[str]:
+    """What the plugin changed, from the evidence in the runs (nothing claimed that was not observed)."""
+    out = []
+    for r in runs:
+        a, m = r.get("as_is", {}), r["model"]
+        bad = [e for e in a.get("errors", []) if e]
+        if r.get("mode") == "off" and bad:
+            out.append(f"{m}: verl's own sync fails on stock vLLM: {bad[0]}")
+        elif r.get("mode") == "off" and a.get("vs_fresh", {}).get("equal") is False:
+            out.append(f"{m}: after verl's own sync on stock vLLM the engine differs from a fresh load "
+                       f"(tokens equal: {a['vs_fresh']['tokens_equal']}, max |dlogprob| "
+                       f"{a['vs_fresh']['max_abs_logprob_diff']})")
+        ad = r.get("adapter", {})
+        if ad.get("vs_fresh", {}).get("equal") and ad.get("report"):
+            out.append(f"{m}, adapter: one validated, versioned update per sync ({ad['report'].get('guarantee')} "
+                       f"guarantee); a delta_flush call refused with the engine unchanged: "
+                       f"{bool(ad.get('unsafe_refused') and ad.get('unsafe_state_unchanged'))}")
+    if not any("stock vLLM" in x for x in out):
+        out.insert(0, "nothing to fix in verl's own sync on this path: it equals a fresh load with the plugin off "
+                      "and on (verl resets the prefix cache itself)")
+    return out
+
+
+def table_row(runs, vllm_version) -> dict:
+    def secs(xs):
+        import statistics as st
+        return st.median(xs) if xs else None
+    on = _by_model(runs, "on", lambda r: secs([s for s, e in zip(r["as_is"]["seconds"], r["as_is"]["errors"])
+                                               if not e]))
+    ad = _by_model(runs, "on", lambda r: secs(r.get("adapter", {}).get("seconds", [])))
+    return {
+        "framework": "verl", "release": next((r.get("verl") for r in runs if r.get("verl")), None),
+        "vllm": vllm_version, "code": "real",
+        "what_runs": "ServerAdapter.update_weights, BucketedWeightSender (shared memory) and "
+                     "vLLMColocateWorkerExtension.update_weights_from_ipc from the installed package; the Ray "
+                     "server actor is an in-process stand-in; verl's platform registry gets a CPU platform",
+        "sync_correct_off": _all(_by_model(runs, "off", lambda r: r["as_is"].get("vs_fresh", {}).get("equal"))),
+        "sync_correct_on": _all(_by_model(runs, "on", lambda r: r["as_is"].get("vs_fresh", {}).get("equal"))),
+        "sync_correct_adapter": _all(_by_model(runs, "on", lambda r: r.get("adapter", {}).get("vs_fresh",
+                                                                                             {}).get("equal"))),
+        "sync_seconds_off": _by_model(runs, "off", lambda r: secs([s for s, e in zip(
+            r["as_is"]["seconds"], r["as_is"]["errors"]) if not e])),
+        "sync_seconds_on": on, "sync_seconds_adapter": ad,
+        "adapter_speedup": {k: on[k] / v for k, v in (ad or {}).items() if v and on and on.get(k)} or None,
+        "mismatch_off": _by_model(runs, "off", lambda r: r.get("mismatch_as_is", {}).get("token_mult_prob_error")),
+        "mismatch_on": _by_model(runs, "on", lambda r: r.get("mismatch_as_is", {}).get("token_mult_prob_error")),
+        "plugin_fixed": fixed(runs)}
 
 
 def main() -> int:
@@ -324,11 +421,13 @@ def main() -> int:
     import vllm
 
     res = {"framework": "verl", "release": runs[0].get("verl"), "vllm": vllm.__version__, "real_code": True,
+           "row": table_row(runs, vllm.__version__.split("+")[0]),
            "hardware": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "amx": "amx_tile" in Path("/proc/cpuinfo").read_text()},
            "loadavg_start": os.getloadavg(), "summary": summary(runs), "runs": runs}
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "verl.json").write_text(json.dumps(res, indent=1, default=str))
+    name = f"verl-vllm{vllm.__version__.split('+')[0]}-cpu.json"
+    (Path(a.out) / name).write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(res["summary"], indent=1))
     return 0
 
