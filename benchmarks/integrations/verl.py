@@ -1,7 +1,7 @@
 """verl's own weight sync against real vLLM, plugin off and on, and with ``vllm_rlpatch.integrations.verl``.
 
     python benchmarks/integrations/verl.py --out benchmarks/results/integrations/ [--models llama-tiny,qwen2-tiny]
-        [--modes off,on] [--repeats 3]
+        [--modes off,on] [--repeats 3] [--with-runs earlier.json]
 
 Needs verl installed next to vLLM (``ci/envs/integrations/verl.txt``). Real code, imported from the installed
 verl: the trainer side ``ServerAdapter.update_weights`` (``verl/workers/rollout/vllm_rollout/vllm_rollout.py``
@@ -31,6 +31,7 @@ import concurrent.futures
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -210,6 +211,8 @@ def as_is(llm, vllm, spec, out) -> None:
         out["as_is"]["errors"].append(err)
         if i == 0:
             out["as_is"]["vs_fresh"] = compare(greedy(llm, vllm), out["fresh_B"])
+        if err:  # one failure is the finding; a retry would only meet the same one
+            break
     if spec["repeats"] % 2 == 0:  # end on B for the mismatch rollouts
         timed_sync(r, spec["B"])
 
@@ -267,6 +270,12 @@ def child(spec_path: str) -> None:
     os.environ["VERL_RAY_JOB_ID"] = spec["job"]
     import verl_cpu_platform  # noqa: F401 - the CPU platform, before verl's code runs
     import vllm
+    import zmq
+
+    # verl's sender waits on its REQ socket with no timeout: when the worker's load_weights raises, the worker
+    # never answers and the sync hangs. A receive timeout on new sockets (pyzmq's context defaults) turns that
+    # into an error the benchmark records.
+    zmq.Context.instance().setsockopt(zmq.RCVTIMEO, 20_000)
 
     kw = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=True,
               enable_prefix_caching=True, logprobs_mode="processed_logprobs", seed=0)
@@ -303,9 +312,12 @@ def run_child(py: str, spec: dict, tmp: Path) -> dict:
                            timeout=600)
     text = log.read_text()
     Path("/tmp", log.name).write_text(text)
+    # the first exception vLLM's worker logged (the root cause behind the RPC error the sync sees)
+    worker = next((ln.split("] ", 1)[-1].strip() for ln in text.splitlines()
+                   if "(Worker" in ln and re.search(r"\] \w+(Error|Exception): ", ln)), None)
     for line in text.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT "):]) | {"worker_error": worker}
     return {"mode": spec["mode"], "model": spec["model"], "error": f"exit {p.returncode}",
             "tail": text[-3000:]}
 
@@ -345,7 +357,11 @@ def fixed(runs) -> list[str]:
         a, m = r.get("as_is", {}), r["model"]
         bad = [e for e in a.get("errors", []) if e]
         if r.get("mode") == "off" and bad:
-            out.append(f"{m}: verl's own sync fails on stock vLLM: {bad[0]}")
+            cause = f" (vLLM's worker: {r['worker_error']})" if r.get("worker_error") else ""
+            on_ok = any(o["model"] == m and o.get("mode") == "on" and o.get("as_is", {}).get("vs_fresh", {})
+                        .get("equal") for o in runs)
+            out.append(f"{m}: verl's own sync fails on stock vLLM CPU: {bad[0]}{cause}"
+                       + ("; with the plugin the same sync equals a fresh load" if on_ok else ""))
         elif r.get("mode") == "off" and a.get("vs_fresh", {}).get("equal") is False:
             out.append(f"{m}: after verl's own sync on stock vLLM the engine differs from a fresh load "
                        f"(tokens equal: {a['vs_fresh']['tokens_equal']}, max |dlogprob| "
@@ -359,6 +375,12 @@ def fixed(runs) -> list[str]:
         out.insert(0, "nothing to fix in verl's own sync on this path: it equals a fresh load with the plugin off "
                       "and on (verl resets the prefix cache itself)")
     return out
+
+
+def _mismatch_off(r):
+    if any(r.get("as_is", {}).get("errors", [])):
+        return r.get("fresh_run", {}).get("mismatch_fresh", {}).get("token_mult_prob_error")
+    return r.get("mismatch_as_is", {}).get("token_mult_prob_error")
 
 
 def table_row(runs, vllm_version) -> dict:
@@ -382,7 +404,9 @@ def table_row(runs, vllm_version) -> dict:
             r["as_is"]["seconds"], r["as_is"]["errors"]) if not e])),
         "sync_seconds_on": on, "sync_seconds_adapter": ad,
         "adapter_speedup": {k: on[k] / v for k, v in (ad or {}).items() if v and on and on.get(k)} or None,
-        "mismatch_off": _by_model(runs, "off", lambda r: r.get("mismatch_as_is", {}).get("token_mult_prob_error")),
+        "mismatch_off": _by_model(runs, "off", _mismatch_off),
+        "mismatch_off_basis": "after verl's sync where it succeeded; where it failed (the engine then holds a mix "
+                              "of weights), a fresh stock-vLLM load of the same weights",
         "mismatch_on": _by_model(runs, "on", lambda r: r.get("mismatch_as_is", {}).get("token_mult_prob_error")),
         "plugin_fixed": fixed(runs)}
 
@@ -393,6 +417,8 @@ def main() -> int:
     ap.add_argument("--models", default="llama-tiny,qwen2-tiny")
     ap.add_argument("--modes", default="off,on")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--with-runs", help="an earlier result JSON: its runs join this one's (those of a model and "
+                                         "mode run again here are replaced)")
     ap.add_argument("--child")
     a = ap.parse_args()
     if a.child:
@@ -418,6 +444,10 @@ def main() -> int:
                 spec["fresh_B"] = fresh.get("fresh_B")
                 runs.append(run_child(sys.executable, spec, tmp) | {"fresh_run": fresh})
                 print(json.dumps(summary(runs[-1:])), flush=True)
+    if a.with_runs:
+        again = {(r["model"], r["mode"]) for r in runs}
+        runs = [r for r in json.loads(Path(a.with_runs).read_text())["runs"]
+                if (r["model"], r["mode"]) not in again] + runs
     import vllm
 
     res = {"framework": "verl", "release": runs[0].get("verl"), "vllm": vllm.__version__, "real_code": True,
