@@ -40,12 +40,14 @@ def run(verl_py, tmp_path_factory):
 def test_verl_own_sync_equals_fresh_load(run):
     assert run["as_is"]["errors"] == [None]
     assert run["as_is"]["vs_fresh"]["equal"], run["as_is"]["vs_fresh"]
+    assert run["as_is"]["vs_fresh"]["stale_kv_tokens"] == 0  # no KV of the old weights served
 
 
 def test_adapter_sync_equals_fresh_load(run):
     a = run["adapter"]
     assert a["errors"] == [None]
     assert a["vs_fresh"]["equal"], a["vs_fresh"]
+    assert a["vs_fresh"]["stale_kv_tokens"] == 0
     assert a["report"]["state"] == "committed"
 
 

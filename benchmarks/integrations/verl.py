@@ -154,11 +154,18 @@ def greedy(llm, vllm):
             for o in outs]
 
 
+# Equal: the same greedy tokens, logprobs within float noise (a batch's prefix-cache hits change the summation
+# order: ~1e-7 seen on the same weights; a weight change moves them by 1e-2 and more).
+LOGPROB_TOL = 1e-5
+
+
 def compare(got, ref) -> dict:
     same = all(g["tokens"] == r["tokens"] for g, r in zip(got, ref))
     diffs = [abs(a - b) for g, r in zip(got, ref) for a, b in zip(g["logprobs"], r["logprobs"])]
     return {"tokens_equal": same, "max_abs_logprob_diff": max(diffs) if diffs else None,
-            "equal": same and bool(diffs) and max(diffs) == 0.0, "cached_tokens": [g["cached"] for g in got]}
+            "equal": same and bool(diffs) and max(diffs) <= LOGPROB_TOL, "tolerance": LOGPROB_TOL,
+            # the first prompt runs before the others share its prefix: cached tokens there are KV of older weights
+            "stale_kv_tokens": got[0]["cached"] if got else None, "cached_tokens": [g["cached"] for g in got]}
 
 
 def timed_sync(rollout, path: str) -> tuple[float, str | None]:
