@@ -50,7 +50,6 @@ COST = {
     "tests/test_refit_timing.py": 5,  # the commit RPC split, the timeline, packed answers; no vLLM engine
     "tests/test_doctor.py": 110,
     "tests/test_kv_pin.py": 150,
-    "tests/test_integrations_verl.py": 120,  # vLLM 0.25.1 only (0 s elsewhere); + the verl env copy on a cold cache
     "tests/test_rollout.py": 120,
     "tests/test_config_paths.py": 80,
     "tests/test_contract.py": 50,
