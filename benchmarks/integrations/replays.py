@@ -15,7 +15,8 @@ sets W1 and W2 are the start weights moved by seeded noise, rounded to bfloat16 
 Syncs alternate between W1 and W2 so each one changes every weight.
 
 Per model, three kinds of process (the plugin is per process): ``run`` with the plugin on, ``run`` with
-``VLLM_RLPATCH_ENABLED=0``, and ``fresh`` (stock vLLM loading W1 and W2 from disk: the reference). In a ``run``,
+``VLLM_RLPATCH_ENABLED=0``, and ``fresh`` (a new engine loading W1 and W2 from disk, plugin on and off: the
+reference for the run of the same setting). In a ``run``,
 one engine (prefix caching on, as both frameworks default) takes in order:
   1. SkyRL broadcast (W0 -> W1), 2. SkyRL named tensors / CUDA IPC (W1 -> W2), 3. NeMo-RL IPC-ZMQ (W2 -> W1),
   4. NeMo-RL collective (W1 -> W2), 5. ``push_weights`` (W2 -> W1, plugin on only);
@@ -458,11 +459,18 @@ def one_model(model: str, repeat: int, work: Path, log: Path) -> dict:
     wj = json.dumps(weights)
     on = sub(["--phase", "run", "--model", mdir, "--weights", wj, "--repeat", str(repeat)], base, log)
     off = sub(["--phase", "run", "--model", mdir, "--weights", wj, "--repeat", str(repeat)], off_env, log)
-    fresh = sub(["--phase", "fresh", "--dirs", *weights.values()], off_env, log)
-    for run in (on, off):
+    fresh_on = sub(["--phase", "fresh", "--dirs", *weights.values()], base, log)
+    fresh_off = sub(["--phase", "fresh", "--dirs", *weights.values()], off_env, log)
+    compare(on, off, weights, fresh_on, fresh_off)
+    return {"model": model, "weights": weights, "on": on, "off": off, "fresh_on": fresh_on, "fresh_off": fresh_off}
+
+
+def compare(on: dict, off: dict, weights: dict, fresh_on: dict, fresh_off: dict) -> None:
+    """Each sync against a fresh load of its target weights in a process like its own (the plugin on or off:
+    the plugin's defaults change the engine's numerics, so a fresh load is compared like for like)."""
+    for run, fresh in ((on, fresh_on), (off, fresh_off)):
         for step in run["steps"].values():
             step["vs_fresh"] = equal(step["probe"], fresh[weights[step["target"]]])
-    return {"model": model, "weights": weights, "on": on, "off": off, "fresh": fresh}
 
 
 def med(x):
