@@ -73,12 +73,19 @@ def _summary_line(log: str) -> str:
     return "(no pytest summary)"
 
 
+def _xml(xml_path: Path) -> ET.Element | None:
+    """The junit report's root, or None where pytest wrote none or a truncated one (a crashed run)."""
+    try:
+        return ET.parse(xml_path).getroot() if xml_path.is_file() else None
+    except ET.ParseError:
+        return None
+
+
 def _skips(xml_path: Path) -> list[str]:
     """`file::test: reason` for every skipped test (pytest's -rs summary, kept per file)."""
-    if not xml_path.exists():
-        return []
+    root = _xml(xml_path)
     out = []
-    for tc in ET.parse(xml_path).getroot().iter("testcase"):
+    for tc in ([] if root is None else root.iter("testcase")):
         sk = tc.find("skipped")
         if sk is not None:
             reason = (sk.get("message") or sk.text or "").strip().splitlines()
@@ -87,10 +94,9 @@ def _skips(xml_path: Path) -> list[str]:
 
 
 def _cases(xml_path: Path) -> list[tuple[float, str]]:
-    if not xml_path.exists():
-        return []
+    root = _xml(xml_path)
     out = []
-    for tc in ET.parse(xml_path).getroot().iter("testcase"):
+    for tc in ([] if root is None else root.iter("testcase")):
         name = f"{tc.get('classname', '').replace('.', '/')}.py::{tc.get('name')}"
         out.append((float(tc.get("time") or 0.0), name))
     return out
@@ -136,17 +142,17 @@ def main() -> int:
         t0 = time.time()
         p = subprocess.run([sys.executable, "-m", "pytest", f, *pytest_opts, f"--junitxml={xml}",
                             "-o", "junit_family=xunit1"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         dt = time.time() - t0
         ok = p.returncode in (0, 5)  # 5: nothing collected (every test deselected)
         with lock:
             results[f] = (p.returncode, dt, str(xml))
             print(f"[{lane} +{time.time() - t_start:5.0f}s] {f}: {_summary_line(p.stdout)} "
                   f"({dt:.0f}s{'' if ok else f', pytest exit {p.returncode}'})", flush=True)
-            for line in _skips(xml):
-                print(f"    skipped {line}", flush=True)
             if not ok:
                 print(f"----- {f}: full output -----\n{p.stdout}\n----- end of {f} -----", flush=True)
+            for line in _skips(xml):
+                print(f"    skipped {line}", flush=True)
 
     for f in alone:
         run(f, "alone")
@@ -160,7 +166,12 @@ def main() -> int:
                 f = q.get_nowait()
             except queue.Empty:
                 return
-            run(f, f"lane {i}")
+            try:
+                run(f, f"lane {i}")
+            except Exception as e:  # a runner fault fails this file, never the lane: the other files still run
+                with lock:
+                    results.setdefault(f, (-1, 0.0, ""))  # pytest never returned: the file failed
+                    print(f"[lane {i}] {f}: the runner failed: {type(e).__name__}: {e}", flush=True)
 
     threads = [threading.Thread(target=worker, args=(i + 1,)) for i in range(min(args.lanes, len(pooled)))]
     for t in threads:

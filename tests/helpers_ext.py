@@ -123,14 +123,27 @@ class FrameworkExtension(HeadProbeExtension):
         OpenRLHF and verl stream parameters this way)."""
         tensors = _tensors(path)
         model = self.model_runner.model
+        # did vLLM post-process (repack) the weights at load? Where it did not (a CPU without AVX-512), stock
+        # per-parameter loads work
+        repacked = any(not hasattr(p, "weight_loader") or p.numel() == 0 for p in model.parameters())
         n = 0
         try:
             for name in sorted(tensors):
                 model.load_weights([(name, tensors[name])])
                 n += 1
-            return {"ok": True, "calls": n}
+            return {"ok": True, "calls": n, "repacked": repacked}
         except Exception as e:
-            return {"ok": False, "calls": n, "error": f"{type(e).__name__}: {e}"}
+            return {"ok": False, "calls": n, "repacked": repacked, "error": f"{type(e).__name__}: {e}"}
+
+    def framework_load_one(self, path, name):
+        """One tensor per RPC, as OpenRLHF's ``WorkerWrap.update_weight`` and SkyRL's per-parameter sync do: a
+        fused layer's q, k and v arrive in three RPCs."""
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            tensor = f.get_tensor(name)
+        self.model_runner.model.load_weights([(name, tensor)])
+        return {"ok": True}
 
     def framework_open_vllm_reload(self):
         """Open vLLM's own layerwise reload the way its weight-transfer API does (``start_weight_update``) and

@@ -3,6 +3,7 @@ Markdown). Generated tables match the code and the committed results, every page
 is no stub, every relative link and anchor resolves, the README keeps its shape. Engine-free."""
 
 import importlib.util
+import json
 import re
 import unicodedata
 from pathlib import Path
@@ -70,6 +71,29 @@ def test_benchmark_results_table_is_generated_from_the_json():
     assert _section(page, "results-table") == mod.render(), \
         "run: python benchmarks/results_table.py --write docs/benchmarks.md"
     assert all(hw != "not recorded" and v for _, hw, v, _ in mod.rows() if "vllm" in _)
+
+
+def test_serving_load_table_is_generated_from_the_json():
+    mod = _script("benchmarks/serve_table.py")
+    page = (DOCS / "serving.md").read_text()
+    hint = "run: python benchmarks/serve_table.py --write docs/serving.md"
+    assert _section(page, "serve-load-table") == mod.render(), hint
+
+
+def test_trainer_integrations_tables_are_generated_from_the_json():
+    """docs/trainers/index.md holds every framework's row; a framework's page (named after it) its own rows."""
+    mod = _script("benchmarks/integrations/table.py")
+    results = [json.loads(f.read_text()) for f in (ROOT / "benchmarks" / "results" / "integrations").glob("*.json")]
+    frameworks = {r["row"]["framework"] for r in results if "row" in r}
+    assert len(frameworks) >= 5, frameworks
+    pages = [f for f in sorted((DOCS / "trainers").glob("*.md")) if mod.START in f.read_text()]
+    assert {f.stem for f in pages} >= {"index", "verl", "openrlhf", "skyrl", "nemo-rl"}, pages
+    for page in pages:
+        table = page.read_text().split(mod.START, 1)[1].split(mod.END, 1)[0].strip()
+        want = mod.render(framework=None if page.stem == "index" else page.stem)
+        assert want is not None and table == want, f"{page.name}: run bash ci/integrations.sh (or table.py)"
+    index = (DOCS / "trainers" / "index.md").read_text()
+    assert all(f"\n| {f} |" in index for f in frameworks), frameworks
 
 
 def test_readme_commands_and_ci_agree():

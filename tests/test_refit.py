@@ -173,7 +173,12 @@ def qwen(tmp_path_factory, weights):
     w = weights["qwen2-tiny"]
     ops = [_gen("g0"), _snap("snap0"), {"op": "push", "name": "bad_tied_mismatch", "bad": "tied_mismatch"},
            _eq("eq_tied_mismatch"), {"op": "push", "name": "push_B"}, _gen("g_B"),
-           {"op": "push", "name": "push_C", "weights": "C"}, _gen("g_C")]
+           {"op": "push", "name": "push_C", "weights": "C"}, _gen("g_C"), {"op": "version", "name": "v_C"},
+           # a trainer's own sync, one tensor per RPC (OpenRLHF, SkyRL): B again, with a request between the k
+           # and the q of layer 0's fused qkv
+           {"op": "rpc_each", "name": "per_rpc", "method": "framework_load_one", "path": w["B"] + "/model.safetensors",
+            "generate_after": "layers.0.self_attn.k_proj", "generate": _gen("between")},
+           {"op": "version", "name": "v_per_rpc"}, _gen("g_per_rpc")]
     return _run(tmp_path_factory.mktemp("qwen"), {"model": model_path("qwen2-tiny"), "worker_extension_cls": EXT},
                 {"B": w["B"], "C": w["C"]}, ops, tied=True, **BF16_HEAD)
 
@@ -338,15 +343,17 @@ def test_trainer_style_per_parameter_load_weights_works(main, stock, version):
     stock vLLM CPU crashes once weights were post-processed (0.25, 0.32); with the plugin it is one
     update, equal to a fresh engine, counted once."""
     (res,) = main["per_param"]["result"]
-    assert res == {"ok": True, "calls": 21}, res
+    assert res["ok"] and res["calls"] == 21, res
     assert main["v_per_param"]["version"] == 11  # one update for the whole RPC (21 calls), not 21
     assert _same(_reqs(main, "g_per_param"), _reqs(stock, "g_B")) == 0.0
     assert _versions(_reqs(main, "g_per_param")) == {(11, 11)}
     (stock_res,) = stock["per_param"]["result"]
-    if version.startswith(("0.25.", "0.32.")):
+    if stock_res["repacked"]:  # vLLM 0.25/0.32 on a CPU with AVX-512 repack the weights at load
         # the bug, reproduced: it fails part-way, after writing the tensors before the failing one
         assert not stock_res["ok"] and stock_res["calls"] < 21, stock_res
         assert ("weight_loader" in stock_res["error"]) or ("torch.Size([0])" in stock_res["error"]), stock_res
+    else:  # weights kept in their checkpoint layout: stock loads them one by one
+        assert stock_res["ok"] and stock_res["calls"] == 21, stock_res
 
 
 def test_a_fused_layer_split_across_reload_calls(main, stock, weights):
@@ -420,6 +427,24 @@ def test_tied_embedding_model(qwen, stock_qwen, weights, version):
         assert "re-processed tied layer(s) lm_head" in qwen["_log"]
     else:
         assert stock_c <= 1.02, stock_c
+
+
+def test_one_tensor_per_rpc_completes_fused_layers_across_rpcs(qwen):
+    """A trainer's own sync sending one tensor per RPC (OpenRLHF's ``WorkerWrap.update_weight``, SkyRL): the
+    q, k and v of a fused ``qkv_proj`` (and gate/up) arrive in separate RPCs. Each part waits for the rest
+    instead of the layer being closed half-loaded at the end of its RPC (which kept its old weights,
+    silently); meanwhile the engine refuses to generate; afterwards it equals the same weights pushed whole,
+    bit for bit."""
+    r = qwen["per_rpc"]
+    assert r["errors"] == [] and r["calls"] == r["names"] > 10, r
+    between = r["between"]  # k of layer 0 arrived, q and v not yet: aborted, nothing generated
+    assert "requests" in between, between
+    assert all(q["finish_reason"] == "abort" and q["token_ids"] == [] for q in between["requests"]), between
+    assert "generation waits for the rest" in qwen["_log"]
+    assert _same(_reqs(qwen, "g_per_rpc"), _reqs(qwen, "g_B")) == 0.0
+    assert qwen["v_per_rpc"]["version"] > qwen["v_C"]["version"]
+    v = qwen["v_per_rpc"]["version"]
+    assert _versions(_reqs(qwen, "g_per_rpc")) == {(v, v)}
 
 
 # ------------------------------------------------------------------------------------------ Ray, LoRA

@@ -5,7 +5,6 @@ the `openai` client too), and the refit routes (/rlpatch/v1/*) driven by trainer
 Tests run in file order on one server: those before the refit section see the weights it started with."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -17,14 +16,9 @@ import pytest
 from support import reference as R
 from support.env import SCRIPTS, clean_env, model_path
 from support.runs import run_script
+from support.servers import free_port, healthy
 
 pytestmark = pytest.mark.vllm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url, body):
@@ -35,7 +29,7 @@ def _post(url, body):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     log = open(log_path, "w")
     # `python -m vllm.entrypoints.openai.api_server` is what `vllm serve` runs; the `vllm` console script of
@@ -52,26 +46,8 @@ def server(tmp_path_factory):
                          stdout=log, stderr=subprocess.STDOUT, env=clean_env(VLLM_CPU_OMP_THREADS_BIND="0|1"),
                          start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 420
-        while time.time() < deadline:
-            if p.poll() is not None:
-                pytest.fail("vllm serve exited: " + log_path.read_text()[-5000:])
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("vllm serve did not become healthy: " + log_path.read_text()[-5000:])
+    with log, healthy(p, url, log_path):
         yield url, log_path
-    finally:
-        os.killpg(p.pid, 15)
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-        log.close()
 
 
 def test_served_logprobs_are_processed(server):

@@ -351,7 +351,27 @@ def row(per_model: list[dict], vllm_version: str, release: str) -> dict:
         "weight_versions_per_sync": {m["model"]: {k: (m["runs"][k]["versions"][1] or 0) - (m["runs"][k]["versions"][0]
                                                                                         or 0)
                                                   for k in ("on", "adapter")} for m in per_model},
+        "plugin_fixed": fixed(per_model),
     }
+
+
+def fixed(per_model: list[dict]) -> list[str]:
+    """What the plugin changed, from the checks: the stock outcome, then the plugin's and the adapter's."""
+    out = []
+    for m in per_model:
+        off, chk = m["runs"]["off"], m["checks"]
+        if off["sync"].get("error"):
+            stock = f"stock vLLM CPU fails OpenRLHF's sync ({off['sync']['error'].split(' (raised')[0]})"
+        elif not chk["off"]["equal"]:
+            stock = (f"stock vLLM CPU runs OpenRLHF's sync but differs from a fresh load (largest logprob difference "
+                     f"{chk['off']['max_abs_logprob_diff']:.3f})")
+        else:
+            stock = "stock vLLM CPU: OpenRLHF's sync equals a fresh load"
+        on = "equals a fresh load" if chk["on"]["equal"] else "differs from a fresh load"
+        v = (m["runs"]["on"]["versions"][1] or 0) - (m["runs"]["on"]["versions"][0] or 0)
+        out.append(f"{m['model']}: {stock}; with the plugin it {on}; the adapter: one validated, versioned update "
+                   f"per sync instead of {v}")
+    return out
 
 
 def summary(per_model: list[dict]) -> dict:
@@ -370,11 +390,13 @@ def summary(per_model: list[dict]) -> dict:
 
 
 def document(per_model: list[dict], ver: str, release: str, seconds: float) -> dict:
-    amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+    flags = Path("/proc/cpuinfo").read_text()
+    amx, avx512 = "amx_tile" in flags, "avx512f" in flags
     return {"benchmark": "integrations/openrlhf", "framework": "OpenRLHF", "release": release, "vllm": ver,
             "real_code": False, "row": row(per_model, ver, release), "summary": summary(per_model),
             "models": per_model,
             "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "amx": amx,
+                     "avx512": avx512,
                      "note": "CPU timings; the host may have been shared with other work"},
             "seconds": seconds}
 

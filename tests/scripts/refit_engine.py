@@ -11,6 +11,10 @@ ops (each result is recorded under its "name"):
   {"op": "version"}                                                 vllm_rlpatch.refit.weight_version
   {"op": "rpc", "method": M, "args": [...]}                         collective_rpc (a framework's extension)
   {"op": "reload", "path": DIR}                                     collective_rpc("reload_weights", weights_path=DIR)
+  {"op": "rpc_each", "method": M, "path": FILE, "generate_after": S, "generate": {...}}
+                                                                    collective_rpc(M, args=(FILE, name)) per tensor
+                                                                    of FILE (sorted names); a generate op after the
+                                                                    first name containing S
   {"op": "sleep", "level": 1} / {"op": "wake_up", "tags": [...]}
   {"op": "session", "weights": "B", "parts": 3, "kw": {...}, "abort_after": K}
                                                                     refit_session: the state dict in `parts`
@@ -133,6 +137,23 @@ def generate(llm, vllm, op):
     return {"requests": res}
 
 
+def rpc_each(llm, vllm, op):
+    from safetensors import safe_open
+
+    with safe_open(op["path"], "pt") as f:
+        names = sorted(f.keys())
+    out = {"names": len(names), "calls": 0, "errors": [], "between": None}
+    for name in names:
+        try:
+            llm.collective_rpc(op["method"], args=(op["path"], name))
+            out["calls"] += 1
+        except Exception as e:  # noqa: BLE001 - reported; the test decides
+            out["errors"].append(f"{name}: {type(e).__name__}: {e}")
+        if out["between"] is None and op.get("generate_after") and op["generate_after"] in name:
+            out["between"] = generate(llm, vllm, op["generate"])
+    return out
+
+
 def push(llm, op, spec):
     import torch
 
@@ -197,6 +218,8 @@ def main():
                 r = {"version": weight_version(llm)}
             elif kind == "rpc":
                 r = {"result": llm.collective_rpc(op["method"], args=tuple(op.get("args", ())))}
+            elif kind == "rpc_each":
+                r = rpc_each(llm, vllm, op)
             elif kind == "reload":
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": op["path"]})
                 r = {}

@@ -1,9 +1,9 @@
 """An RL framework's own package next to the vLLM under test, without touching the test environment.
 
-``framework_python("trl")`` returns the interpreter of a copy of the running environment (same vLLM, same
-torch, this package) with the pinned requirements of ``ci/envs/integrations/trl.txt`` installed on top. The copy
-is built once and cached beside the test environments, keyed by the environment and the requirements file, so
-the test environment itself never changes (a framework's dependencies may not move vLLM's pins there).
+``framework_python("trl")`` returns the interpreter of an environment that sees the running one (same vLLM,
+same torch, this package) with the pinned requirements of ``ci/envs/integrations/trl.txt`` installed in front
+of it. It is built once and cached beside the test environments, keyed by the environment and the requirements
+file, so the test environment itself never changes (a framework's dependencies may not move vLLM's pins there).
 
 A requirements file's first lines may carry directives:
 ``# vllm: 0.25.1`` (the vLLM release it is pinned for; other versions skip), ``# pip: --no-deps`` (extra
@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -59,20 +60,32 @@ def skip_unless_pinned_vllm(framework: str) -> None:
 
 
 def framework_python(framework: str) -> str:
-    """The interpreter of the framework's environment (built on first use; a failed build fails loudly)."""
+    """The interpreter of the framework's environment (built on first use; a failed build fails loudly).
+
+    An overlay, not a copy: a bare venv whose site-packages holds only the framework's pinned packages and a
+    ``.pth`` that appends the test environment's site-packages (its own ``.pth`` files included: this package's
+    editable install). A few MB instead of a second copy of torch and vLLM (several GB)."""
     reqs = requirements(framework)
     base = Path(sys.prefix)
-    key = hashlib.sha256(reqs.read_bytes() + str(base).encode()).hexdigest()[:12]
+    base_purelib = sysconfig.get_paths()["purelib"]
+    key = hashlib.sha256(reqs.read_bytes() + str(base).encode() + b"overlay").hexdigest()[:12]
     env = CACHE / f"fw-{framework}-{base.name}-{key}"
     py = env / "bin" / "python"
     if (env / ".complete").is_file() and py.exists():
         return str(py)
     shutil.rmtree(env, ignore_errors=True)
     env.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(base, env, symlinks=True)
+    made = subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(env)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        raise RuntimeError(f"creating the {framework} environment failed: {made.stderr[-2000:]}")
+    purelib = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    purelib.mkdir(parents=True, exist_ok=True)
+    (purelib / "_rlpatch_test_env.pth").write_text(f"import site; site.addsitedir({base_purelib!r})\n")
     extra = directives(framework).get("pip", "").split()
-    proc = subprocess.run([str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-                           *extra, "-r", str(reqs)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", *extra,
+                           "--target", str(purelib), "-r", str(reqs)], capture_output=True, text=True)
     if proc.returncode != 0:
         shutil.rmtree(env, ignore_errors=True)
         raise RuntimeError(f"installing {reqs.name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"

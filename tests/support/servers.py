@@ -28,6 +28,31 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def healthy(p: subprocess.Popen, url: str, log_path, start_s: float = 420):
+    """Wait until the server process ``p`` answers ``url``/health (fail with its log if it exits or never does);
+    on exit stop its whole process group."""
+    try:
+        deadline = time.time() + start_s
+        while time.time() < deadline:
+            if p.poll() is not None:
+                pytest.fail("vllm serve exited: " + log_path.read_text()[-5000:])
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("vllm serve did not become healthy: " + log_path.read_text()[-5000:])
+        yield
+    finally:
+        os.killpg(p.pid, 15)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+
+
+@contextlib.contextmanager
 def vllm_serve(log_path, args: list[str], env: dict[str, str] | None = None, start_s: float = 420):
     """Yields (url, log_path, port) once /health answers; the server binds every interface."""
     port = free_port()
@@ -37,25 +62,8 @@ def vllm_serve(log_path, args: list[str], env: dict[str, str] | None = None, sta
                              stdout=log, stderr=subprocess.STDOUT, env=clean_env(**(env or {})),
                              start_new_session=True)
         url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + start_s
-            while time.time() < deadline:
-                if p.poll() is not None:
-                    pytest.fail("vllm serve exited: " + log_path.read_text()[-5000:])
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2):
-                        break
-                except OSError:
-                    time.sleep(1)
-            else:
-                pytest.fail("vllm serve did not become healthy: " + log_path.read_text()[-5000:])
+        with healthy(p, url, log_path, start_s):
             yield url, log_path, port
-        finally:
-            os.killpg(p.pid, 15)
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 9)
 
 
 def non_loopback_ip() -> str | None:

@@ -212,6 +212,8 @@ def _add_request_wrapper(wrapped, instance, args, kwargs):
             g.abort_ids([req.request_id], f"refused: {g.poisoned.message}")
         elif g.session is not None:
             g.abort_ids([req.request_id], "refused: a multi-call weight update is in progress")
+        elif g.partial:
+            g.abort_ids([req.request_id], f"refused: a weight update is arriving in parts ({g.partial[0]}, ...)")
     return result
 
 

@@ -145,6 +145,7 @@ class Guard:
         self.last_update: dict[str, Any] = {}  # what the policies did at the latest update
         self.poisoned: mixed.MixedWeights | None = None  # refuse to generate until a good update lands
         self.session: str | None = None  # txid of a multi-call update in progress: no generation meanwhile
+        self.partial: list[str] = []  # fused layers whose parts are still arriving: no generation meanwhile
         if self.in_process_worker is not None:
             _BY_WORKER[id(self.in_process_worker)] = self
             # Workers in other processes start at 0 and change only through an RPC that passes this
@@ -251,18 +252,31 @@ class Guard:
         if self.scheduler is not None:
             self.abort_running("the weights are a mix of old and new after a failed update")
 
+    def hold_partial(self, layers: list[str]) -> None:
+        """Layers whose parts arrive one RPC at a time (a trainer sending q, k and v of a fused layer in three
+        RPCs) wait, unprocessed, for the rest: the model cannot run meanwhile. What runs is aborted and new
+        requests are refused until they are complete (then the update counts once more)."""
+        was, self.partial = self.partial, sorted(set(layers))
+        if self.partial and not was:
+            logger.info("vllm-rlpatch: engine core: %d layer(s) received part of their weights (%s); generation "
+                        "waits for the rest", len(self.partial), ", ".join(self.partial[:4]))
+        if self.partial and self.scheduler is not None:
+            self.abort_running(f"refused: a weight update is arriving in parts ({', '.join(self.partial[:4])})")
+
     def check_workers(self, method: str, result: Any = None) -> mixed.MixedWeights | None:
         """After an RPC: did the workers' weight version move, and do they hold mixed weights? (asked as data:
         the in-process worker directly; a refit commit every rank answered ``ok`` from its answers, ``result``;
         others with one ``rlpatch_weight_state`` RPC)."""
         if self.in_process_worker is not None:
+            partial: list[str] = []
             try:
-                weights.settle(self.in_process_worker, raise_mixed=False)
+                partial = weights.settle(self.in_process_worker, raise_mixed=False, keep_partial=True)
             except Exception:
                 logger.debug("vllm-rlpatch: settling the worker after %r failed", method, exc_info=True)
             v = weights.weight_version(self.in_process_worker)
             if v > self.worker_version:
                 self.updated(f"collective_rpc:{method}", v)
+            self.hold_partial(partial)
             return mixed.worker_state()
         if not self.can_query:
             if method in update_method_names():
@@ -274,6 +288,7 @@ class Guard:
             # every rank committed (or wrote a session's part) and said its version: no RPC (one round trip less
             # per update, and no wake of every worker's reader after it)
             version, final = said
+            self.hold_partial([])  # the refit's prepare closed any direct-load session left open
             if version > self.worker_version:
                 self.updated(f"collective_rpc:{method}", version)
             if final and self.idle():  # the readers rest (the workers': in their commit, or the release after it)
@@ -294,6 +309,7 @@ class Guard:
         v = max((int(x["version"]) for x in states if isinstance(x, dict)), default=0)
         if v > self.worker_version:
             self.updated(f"collective_rpc:{method}", v)
+        self.hold_partial([n for x in states if isinstance(x, dict) for n in x.get("partial") or ()])
         return mixed.from_results(states)
 
 

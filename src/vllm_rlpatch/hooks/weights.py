@@ -86,7 +86,7 @@ def set_load_router(router: Callable[..., Any] | None) -> None:
 # update API): ``factory(source, worker, args, kwargs) -> context manager`` (the refit guard's strictness).
 _SCOPES: list[Callable[..., Any]] = []
 # Called with a worker before its weight version is read (finish a pending direct-load session).
-_SETTLERS: list[Callable[[Any], None]] = []
+_SETTLERS: list[Callable[[Any, bool, bool], list[str] | None]] = []
 
 
 def add_scope(factory: Callable[..., Any]) -> None:
@@ -99,12 +99,12 @@ def remove_scope(factory: Callable[..., Any]) -> None:
         _SCOPES.remove(factory)
 
 
-def add_settler(fn: Callable[[Any], None]) -> None:
+def add_settler(fn: Callable[[Any, bool, bool], list[str] | None]) -> None:
     if fn not in _SETTLERS:
         _SETTLERS.append(fn)
 
 
-def remove_settler(fn: Callable[[Any], None]) -> None:
+def remove_settler(fn: Callable[[Any, bool, bool], list[str] | None]) -> None:
     if fn in _SETTLERS:
         _SETTLERS.remove(fn)
 
@@ -156,10 +156,14 @@ async def _rpc_failed_async(engine: Any, method: str, exc: BaseException) -> Non
     _notify(engine, method, exc, state)
 
 
-def settle(worker: Any, raise_mixed: bool = True) -> None:
-    """Finish whatever the plugin left pending in ``worker`` (may raise: the weights are mixed)."""
+def settle(worker: Any, raise_mixed: bool = True, keep_partial: bool = False) -> list[str]:
+    """Finish whatever the plugin left pending in ``worker`` (may raise: the weights are mixed). With
+    ``keep_partial`` (the end of an RPC) a fused layer whose parts are still arriving stays open; returns the
+    layers left half-loaded."""
+    pending: list[str] = []
     for fn in list(_SETTLERS):
-        fn(worker, raise_mixed)
+        pending += fn(worker, raise_mixed, keep_partial) or []
+    return pending
 
 
 def engine_key(engine: Any) -> str:

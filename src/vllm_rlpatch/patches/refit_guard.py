@@ -14,10 +14,11 @@ How:   - every layerwise reload is strict (:mod:`vllm_rlpatch.hooks.layerwise`):
          parameters received nothing; tied layers are re-processed from their updated storage;
        - a direct ``model.load_weights`` on a model whose weights were post-processed (CPU, quantized) is
          routed through a layerwise reload session: loads are buffered per layer and each layer is
-         processed once complete, across calls (a trainer may send q, k, v separately); the session closes
-         when no layer is half-loaded, or at the end of the RPC (the engine core's version check), or
-         before the next forward pass; a layer still half-loaded then keeps its old weights and the engine
-         refuses to generate;
+         processed once complete, across calls and across RPCs (a trainer may send q, k, v separately, one
+         per RPC); the session closes when no layer is half-loaded. While a layer waits for its other parts
+         the engine core aborts what runs and refuses new requests; a forward pass (in-process loads) or an
+         update through another path closes it first, and a layer still half-loaded then keeps its old
+         weights (the engine refuses to generate where the rest of the model is new);
        - update RPCs are refused while the engine's weights sleep (engine core: the executor's sleeping
          tags; workers: ``Worker.sleep``/``wake_up`` tracked);
        - after a failed update that left a mix of old and new weights (``direct`` refits, a load that raised
@@ -82,6 +83,7 @@ def _after_wake(worker, tags) -> None:
 @contextlib.contextmanager
 def _update_scope(source: str, worker: Any, args, kwargs):
     refuse_if_asleep(worker, f"weight update {source!r}")
+    close_open_session(worker)
     # reload_weights replaces the model: a layer that received nothing is an error; the native session API
     # may legitimately send whole layers in several calls (half-loaded layers are still an error)
     with layerwise.strict(require_full=source == "reload_weights"):
@@ -94,6 +96,7 @@ class _Session:
         self.policy = layerwise.Policy(require_full=False)
         self.calls = 0
         self.started = time.monotonic()
+        self.fired_at = 0  # layers processed when the session last counted an update (an RPC ending mid-layer)
 
 
 _SESSIONS: "weakref.WeakKeyDictionary[Any, _Session]" = weakref.WeakKeyDictionary()
@@ -177,17 +180,33 @@ def route(wrapped, model, worker, args, kwargs):
     return result, not defer
 
 
-def settle(worker: Any, raise_mixed: bool = True) -> None:
+def settle(worker: Any, raise_mixed: bool = True, keep_partial: bool = False) -> list[str]:
     """Close a direct-load session left open and fire the update's one event (end of the RPC, or before a
-    forward pass). Raises (mixed mark) if a layer is still half-loaded: it keeps its previous weights."""
+    forward pass). Raises (mixed mark) if a layer is still half-loaded: it keeps its previous weights.
+
+    ``keep_partial`` (the end of an RPC): a layer still half-loaded stays open for the next RPC (a trainer that
+    sends one parameter per RPC sends q, k and v of a fused layer in three); what is complete counts as an
+    update now. Returns the half-loaded layers left open (the engine core refuses to generate meanwhile)."""
     model = workerctx.model_of(worker)
     sess = _SESSIONS.get(model) if model is not None else None
+    if sess is not None and keep_partial:
+        pending = layerwise.half_loaded(model)
+        if pending:
+            done = sess.policy.findings.processed
+            if done > sess.fired_at:  # layers completed in this RPC hold the new weights: count them now
+                sess.fired_at = done
+                object.__setattr__(worker, "_rlpatch_dirty", False)
+                weights.fire(worker, "model.load_weights", "worker")
+            return pending
     if sess is not None:
         try:
             _finish(worker, model, sess)
-        except BaseException:
+        except Exception as e:
             object.__setattr__(worker, "_rlpatch_dirty", False)
-            raise
+            if raise_mixed:
+                raise
+            # the half-loaded layer keeps its previous weights (logged by the strict reload; a mix is marked)
+            logger.warning("vllm-rlpatch: a direct-load session closed incomplete: %s: %s", type(e).__name__, e)
     if getattr(worker, "_rlpatch_dirty", False):
         object.__setattr__(worker, "_rlpatch_dirty", False)
         weights.fire(worker, "model.load_weights", "worker")
@@ -195,11 +214,23 @@ def settle(worker: Any, raise_mixed: bool = True) -> None:
     if why is not None and raise_mixed:
         # a reload failed half-way and the caller swallowed the error (a framework's own worker method)
         raise mixed.MixedWeightsError(why)
+    return []
+
+
+def close_open_session(worker: Any) -> None:
+    """Before vLLM's own update paths write: a direct-load session a trainer left open closes first (a layer it
+    left half-loaded keeps its previous weights; a mix is marked, not raised: the update repairs it)."""
+    model = workerctx.model_of(worker)
+    if model is not None and _SESSIONS.get(model) is not None:
+        settle(worker, raise_mixed=False)
 
 
 def _execute_wrapper(wrapped, instance, args, kwargs):
     if _SESSIONS or getattr(instance, "_rlpatch_dirty", False):
-        settle(instance)
+        out = args[0] if args else kwargs.get("scheduler_output")
+        # a step without tokens runs no forward pass (the engine core frees finished requests): a fused layer
+        # whose parts are still arriving stays open
+        settle(instance, keep_partial=getattr(out, "total_num_scheduled_tokens", None) == 0)
     return wrapped(*args, **kwargs)
 
 

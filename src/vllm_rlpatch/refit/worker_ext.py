@@ -55,14 +55,18 @@ class RLPatchWorkerExtension:
         spinning for a second (:func:`~vllm_rlpatch.hooks.workerctx.rest_rpc_reader`)."""
         if rest:
             workerctx.rest_rpc_reader()
+        partial: list[str] = []
         try:
-            weights.settle(self, raise_mixed=False)
-        except Exception as e:  # noqa: BLE001 - closing a half-loaded direct-load session failed: the state below
-            # says what it left
+            # a fused layer whose parts arrive one RPC at a time stays open: ``partial`` names it (the engine
+            # core then refuses to generate until it is complete)
+            partial = weights.settle(self, raise_mixed=False, keep_partial=True)
+        except Exception as e:  # noqa: BLE001 - closing a direct-load session failed: the state below says what
+            # it left
             logger.debug("vllm-rlpatch: settling the weights before the weight state failed: %s: %s",
                          type(e).__name__, e)
         m = mixed.worker_state()
-        return {"version": weights.weight_version(self), "mixed": m.as_dict() if m is not None else None}
+        return {"version": weights.weight_version(self), "mixed": m.as_dict() if m is not None else None,
+                "partial": partial}
 
     # ---- the refit API (vllm_rlpatch.refit); see vllm_rlpatch.refit.worker for the protocol
     def rlpatch_refit_describe(self) -> dict[str, Any]:
