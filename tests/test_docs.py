@@ -73,6 +73,14 @@ def test_benchmark_results_table_is_generated_from_the_json():
     assert all(hw != "not recorded" and v for _, hw, v, _ in mod.rows() if "vllm" in _)
 
 
+def test_key_figures_are_generated_from_the_json():
+    mod = _script("benchmarks/figures.py")
+    for page in mod.FIGURES:
+        assert _section((DOCS / page).read_text(), "figures") == mod.render(page), \
+            f"docs/{page}: run python benchmarks/figures.py --write"
+    assert mod.main(["--check"]) == 0
+
+
 def test_serving_load_table_is_generated_from_the_json():
     mod = _script("benchmarks/serve_table.py")
     page = (DOCS / "serving.md").read_text()
@@ -87,7 +95,7 @@ def test_trainer_integrations_tables_are_generated_from_the_json():
     frameworks = {r["row"]["framework"] for r in results if "row" in r}
     assert len(frameworks) >= 5, frameworks
     pages = [f for f in sorted((DOCS / "trainers").glob("*.md")) if mod.START in f.read_text()]
-    assert {f.stem for f in pages} >= {"index", "verl", "openrlhf", "skyrl", "nemo-rl"}, pages
+    assert {f.stem for f in pages} >= {"index", "trl", "verl", "openrlhf", "skyrl", "nemo-rl"}, pages
     for page in pages:
         table = page.read_text().split(mod.START, 1)[1].split(mod.END, 1)[0].strip()
         want = mod.render(framework=None if page.stem == "index" else page.stem)
