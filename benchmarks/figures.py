@@ -38,8 +38,30 @@ MRV2 = "mrv2-vllm0.32.0-h100.json"
 TWIN_INFO, TWIN_UNPATCHED = "mrv2_twin-engine_info-vllm0.32.0-h100.json", "mrv2_twin-unpatched-vllm0.32.0-h100.json"
 KERNEL = "mrv2_topp-kernel-vllm0.32.0-h100.json"
 
+AB = "rollout_ab-cpu.json"
+
+
+def _ab(pair: str, stat: str = "token_mult_prob_error") -> Callable[[dict], str]:
+    """A rollout A/B difference (B minus A) with its 95% bootstrap interval."""
+    def value(d: dict) -> str:
+        x = d["diffs"][pair][stat]
+        return f"{x['diff']:+.4f} [{x['ci95'][0]:+.4f}, {x['ci95'][1]:+.4f}]"
+    return value
+
+
 # page -> [(figure, results file, value from the file's JSON)]
 FIGURES: dict[str, list[tuple[str, str, Callable[[dict], str]]]] = {
+    "parity.md": [
+        (f"`token_mult_prob_error`, plugin minus stock, vLLM {v} (95% interval)", AB, _ab(f"{v} stock vs {v} rlpatch"))
+        for v in ("0.20.2", "0.25.1", "0.32.0")
+    ] + [
+        ("the same, vLLM 0.32.0 minus 0.25.1, both with the plugin", AB, _ab("0.25.1 rlpatch vs 0.32.0 rlpatch")),
+        ("mean rollout length, vLLM 0.32.0 minus 0.25.1, both stock", AB,
+         _ab("0.25.1 stock vs 0.32.0 stock", "length_mean")),
+        ("calibration: runs of one configuration split in two halves, any statistic flagged", AB,
+         lambda d: f"{d['calibration']['null']['any_statistic_flagged_rate']:.1%} of "
+                   f"{d['calibration']['null']['splits']} splits"),
+    ],
     "kv-pin.md": [
         ("KV tokens, unpinned (`gpu_memory_utilization=0.8`)", KV,
          lambda d: f"{d['summary'][UNPINNED]['kv_tokens']:,}"),
