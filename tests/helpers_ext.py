@@ -123,9 +123,10 @@ class FrameworkExtension(HeadProbeExtension):
         OpenRLHF and verl stream parameters this way)."""
         tensors = _tensors(path)
         model = self.model_runner.model
-        # did vLLM post-process (repack) the weights at load? Where it did not (a CPU without AVX-512), stock
-        # per-parameter loads work
-        repacked = any(not hasattr(p, "weight_loader") or p.numel() == 0 for p in model.parameters())
+        # did vLLM post-process (repack) the fused projections at load (a new parameter without a loader, or an
+        # emptied one)? Where it did not (vLLM 0.20; a CPU without AVX-512), stock per-parameter loads work
+        repacked = any(not hasattr(p, "weight_loader") or p.numel() == 0
+                       for n, p in model.named_parameters() if n.endswith("_proj.weight"))
         n = 0
         try:
             for name in sorted(tensors):
