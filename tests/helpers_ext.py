@@ -118,15 +118,19 @@ class FrameworkExtension(HeadProbeExtension):
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
+    def framework_repacked(self):
+        """Did vLLM post-process (repack) the projections at load: a new parameter without a loader, or an
+        emptied one? vLLM 0.25/0.32 do on a CPU with AVX-512; vLLM 0.20, and a CPU without AVX-512, keep the
+        checkpoint layout (then stock per-parameter loads work and a tied head follows its embedding)."""
+        return any(not hasattr(p, "weight_loader") or p.numel() == 0
+                   for n, p in self.model_runner.model.named_parameters() if n.endswith("_proj.weight"))
+
     def framework_load_per_param(self, path):
         """One model.load_weights call per tensor, q/k/v and gate/up of a layer in separate calls (NeMo-RL,
         OpenRLHF and verl stream parameters this way)."""
         tensors = _tensors(path)
         model = self.model_runner.model
-        # did vLLM post-process (repack) the fused projections at load (a new parameter without a loader, or an
-        # emptied one)? Where it did not (vLLM 0.20; a CPU without AVX-512), stock per-parameter loads work
-        repacked = any(not hasattr(p, "weight_loader") or p.numel() == 0
-                       for n, p in model.named_parameters() if n.endswith("_proj.weight"))
+        repacked = self.framework_repacked()
         n = 0
         try:
             for name in sorted(tensors):

@@ -42,25 +42,33 @@ def _token(port) -> str:
 
 @pytest.fixture(scope="module")
 def per_process(server):
-    """{pid: a persistent connection to that API server process}, both processes found."""
+    """A function returning {pid: a persistent connection to that API server process}, both processes found,
+    fresh at each call: the server closes an idle connection after a few seconds (uvicorn's keep-alive), and a
+    new connection may land on the other process."""
     _, _, port = server
     tok = _token(port)
-    found, spare = {}, []
-    for _ in range(64):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        status, body = call(conn, "GET", P + "/weight_version", token=tok)
-        assert status == 200, body  # every process answers to the token in the file
-        if body["api_server"] in found:
-            spare.append(conn)
-        else:
-            found[body["api_server"]] = conn
-        if len(found) == 2:
-            break
-    for c in spare:
-        c.close()
-    assert len(found) == 2, f"64 connections all went to {list(found)}"
-    yield found
-    for c in found.values():
+    opened = []
+
+    def connect() -> dict:
+        found, spare = {}, []
+        for _ in range(64):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            opened.append(conn)
+            status, body = call(conn, "GET", P + "/weight_version", token=tok)
+            assert status == 200, body  # every process answers to the token in the file
+            if body["api_server"] in found:
+                spare.append(conn)
+            else:
+                found[body["api_server"]] = conn
+            if len(found) == 2:
+                break
+        for c in spare:
+            c.close()
+        assert len(found) == 2, f"64 connections all went to {list(found)}"
+        return found
+
+    yield connect
+    for c in opened:
         c.close()
 
 
@@ -89,8 +97,8 @@ def _check_state(conns, tok, version, engines=2):
 def test_both_api_servers_and_both_engines_take_one_refit(server, per_process, tmp_path):
     url, log, port = server
     tok = _token(port)
-    fp0 = _check_state(per_process, tok, 0)
-    for conn in per_process.values():
+    fp0 = _check_state(per_process(), tok, 0)
+    for conn in per_process().values():
         assert all(c["rlpatch_weight_versions"] == [[0, 12, 0, 0]] for c in _completions(conn))
     new = R.perturbed_copy(model_path(), str(tmp_path / "B"), scale=1.0, seed=7)
     spec = tmp_path / "trainer.json"
@@ -102,10 +110,11 @@ def test_both_api_servers_and_both_engines_take_one_refit(server, per_process, t
     r = json.loads(lines[-1][7:])
     assert r["ok"] and r["version"] == 1, r
     assert len(r["report"]["workers"]) == 2, r["report"]  # one worker per engine core, both committed
-    assert _check_state(per_process, tok, 1) != fp0
+    assert _check_state(per_process(), tok, 1) != fp0
     model = R.load(new)
-    for pid, conn in per_process.items():
-        for ch, prompt in zip(_completions(conn), PROMPTS):
+    answers = {pid: _completions(conn) for pid, conn in per_process().items()}  # both asked before the slow part
+    for pid, choices in answers.items():
+        for ch, prompt in zip(choices, PROMPTS):
             assert ch["rlpatch_weight_versions"] == [[0, 12, 1, 1]], (pid, ch)
             ids = ch.get("prompt_token_ids") or R.tokenize(model_path(), prompt)
             ref = R.token_logprobs(model, ids, ch["token_ids"])
@@ -125,6 +134,6 @@ def test_a_fleet_update_through_either_process_reaches_both_engines(server, per_
     assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(lines[-1][7:])
     assert r["ok"] and r["report"]["state"] == "committed" and r["version"] == 2, r
-    _check_state(per_process, tok, 2)
-    for pid, conn in per_process.items():
+    _check_state(per_process(), tok, 2)
+    for pid, conn in per_process().items():
         assert all(c["rlpatch_weight_versions"] == [[0, 12, 2, 2]] for c in _completions(conn)), pid

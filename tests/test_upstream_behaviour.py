@@ -60,6 +60,10 @@ def test_upstream_test_fails_unfixed_and_passes_with_the_diff(name, overlays, tm
         plain = tmp_path / Path(rel).name
         plain.write_text((p.directory / Path(rel).name).read_text())
         rc, log = _pytest(plain, None, p.runtime_patch)
+        if rc == 0 and " skipped" in log and " passed" not in log and " failed" not in log:
+            # every test of the file skips on this host (the Triton top-p kernel's test needs a GPU): what the
+            # diff fixes is shown by its CPU reproduction (Triton's interpreter) in the patch's own test
+            pytest.skip(f"{rel}: every test skips here (it needs a GPU); on vLLM {V} CPU nothing to compare")
         # a failing test, or (a PR that adds an option or API) a test module that cannot import it
         assert rc in (1, 2) and (" failed" in log or " error" in log), \
             f"{rel} does not fail on unfixed vLLM {V}:\n{log[-4000:]}"
